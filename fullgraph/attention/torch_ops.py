@@ -1,0 +1,99 @@
+"""Plain-PyTorch paged attention pieces: the reference path, capture-safe, CPU and GPU.
+
+Everything here takes its shapes from static tensor sizes (padded token count T, padded request
+count R, block-table width MB) and reads lengths from device tensors: no host syncs, so it runs
+inside a CUDA graph and under ``torch.compile(fullgraph=True)``.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+# (query positions (R, Qm, 1), key positions (1, 1, L)) -> keep mask, (R, Qm, L) or (R, H, Qm, L)
+KeepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write new keys/values at their slots; a slot of -1 leaves the cache byte-identical.
+
+    kv_cache: (2, num_blocks, block_size, KVH, D); k, v: (T, KVH, D); slot_mapping: (T,) int64.
+    A masked scatter would need a data-dependent shape, so skipped tokens are pointed at slot 0
+    and write back the value already there (same bytes; real tokens never use the null block).
+    """
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    flat = kv_cache.view(2, -1, num_kv_heads, head_dim)      # (2, num_slots, KVH, D)
+    valid = slot_mapping >= 0
+    safe = torch.where(valid, slot_mapping, torch.zeros_like(slot_mapping))
+    new = torch.stack((k, v)).to(kv_cache.dtype)               # (2, T, KVH, D)
+    old = flat[:, safe]
+    flat[:, safe] = torch.where(valid[None, :, None, None], new, old)
+
+
+def group_queries(q: torch.Tensor, query_start_loc: torch.Tensor, num_reqs: int, decode_only: bool):
+    """Scatter packed tokens into a (R, Qm, H, D) grid by request.
+
+    Returns (grouped, req, col, q_lens): token t sits at ``grouped[req[t], col[t]]``. For decode
+    steps (one token per request, R == T) the grid is the identity. Otherwise Qm = T + 1: the
+    extra column is a dump for padded tokens so they never land on a real row.
+    """
+    num_tokens = q.shape[0]
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]          # (R,)
+    if decode_only:
+        idx = torch.arange(num_tokens, device=q.device)
+        return q.unsqueeze(1), idx, torch.zeros_like(idx), q_lens
+    tok = torch.arange(num_tokens, device=q.device, dtype=query_start_loc.dtype)
+    # Binary search of query_start_loc: correct only if it is non-decreasing (the policy's job).
+    req = torch.searchsorted(query_start_loc[1:], tok, right=True).clamp_(max=num_reqs - 1)
+    col = tok - query_start_loc[req]
+    real = tok < query_start_loc[-1]
+    col = torch.where(real & (col >= 0) & (col < num_tokens), col, num_tokens)
+    grouped = q.new_zeros(num_reqs, num_tokens + 1, *q.shape[1:])
+    grouped[req, col] = q
+    return grouped, req, col, q_lens
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
+                    seq_lens: torch.Tensor, block_table: torch.Tensor, *, scale: float,
+                    decode_only: bool, keep: KeepFn | None = None) -> torch.Tensor:
+    """Causal attention of packed new tokens over each request's paged sequence.
+
+    q: (T, H, D); kv_cache: (2, NB, bs, KVH, D); query_start_loc: (R+1,); seq_lens: (R,);
+    block_table: (R, MB). Returns (T, H, D). ``keep`` adds a mask (e.g. block-sparse) on top of
+    causality. Keys past ``seq_lens`` are zeroed before use, so stale or poisoned cache memory
+    cannot reach a real row; a padded request (seq_len 0) attends to one zeroed key and stays finite.
+    """
+    num_reqs, max_blocks = block_table.shape
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    num_heads = q.shape[1]
+    group = num_heads // num_kv_heads
+    seq_len_max = max_blocks * block_size
+
+    kv = kv_cache[:, block_table].view(2, num_reqs, seq_len_max, num_kv_heads, head_dim)
+    key_pos = torch.arange(seq_len_max, device=q.device)
+    key_ok = key_pos[None, :] < seq_lens[:, None]                 # (R, L)
+    kv = torch.where(key_ok[None, :, :, None, None], kv, kv.new_zeros(()))
+
+    grouped, req, col, q_lens = group_queries(q, query_start_loc, num_reqs, decode_only)
+    q_max = grouped.shape[1]
+    q_pos = (seq_lens - q_lens)[:, None] + torch.arange(q_max, device=q.device)[None, :]  # (R, Qm)
+    mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & key_ok[:, None, :]           # (R, Qm, L)
+    if keep is not None:
+        mask = mask.unsqueeze(1) & keep(q_pos[:, :, None], key_pos[None, None, :])     # (R, H, Qm, L)
+    mask = mask | (key_pos == 0)  # never an empty row: key 0 is zeroed when it is not real
+
+    # GQA without copying K/V: fold the query heads of a KV group into the query axis.
+    qf = grouped.view(num_reqs, q_max, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    qf = qf.reshape(num_reqs, num_kv_heads, group * q_max, head_dim)
+    if mask.dim() == 3:
+        mask = mask[:, None, None].expand(num_reqs, 1, group, q_max, seq_len_max)
+    else:
+        mask = mask.view(num_reqs, num_kv_heads, group, q_max, seq_len_max)
+    mask = mask.reshape(num_reqs, -1, group * q_max, seq_len_max)
+    k = kv[0].transpose(1, 2)                                     # (R, KVH, L, D)
+    v = kv[1].transpose(1, 2)
+    out = F.scaled_dot_product_attention(qf.to(k.dtype), k, v, attn_mask=mask, scale=scale)
+    out = out.view(num_reqs, num_kv_heads, group, q_max, head_dim).permute(0, 3, 1, 2, 4)
+    out = out.reshape(num_reqs, q_max, num_heads, head_dim)
+    return out[req, col].to(q.dtype)                              # (T, H, D)

@@ -1,0 +1,95 @@
+"""Layers shared by the models: norms, rotary embeddings, random initialisation."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in float32, returned in the input dtype."""
+
+    def __init__(self, hidden_size: int, eps: float, **factory) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, **factory))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, base: float) -> torch.Tensor:
+    """Standard RoPE inverse frequencies, (head_dim // 2,) float64."""
+    return 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: float,
+                    high_freq_factor: float, original_max_position_embeddings: int) -> torch.Tensor:
+    """Llama-3 frequency scaling: long wavelengths divided by ``factor``, short kept, smooth between."""
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen = original_max_position_embeddings / low_freq_factor
+    high_wavelen = original_max_position_embeddings / high_freq_factor
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half (NeoX) RoPE over the whole head, from a precomputed float32 cos/sin table.
+
+    ``mscale`` multiplies both cos and sin (LongRoPE's attention scaling); positions index the
+    table on the device, so the layer is capture-safe.
+    """
+
+    def __init__(self, inv_freq: torch.Tensor, max_position: int, mscale: float = 1.0,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        t = torch.arange(max_position, dtype=torch.float64)
+        freqs = torch.outer(t, inv_freq.to(torch.float64))                 # (max_position, D/2)
+        self.register_buffer("cos", (freqs.cos() * mscale).float().to(device), persistent=False)
+        self.register_buffer("sin", (freqs.sin() * mscale).float().to(device), persistent=False)
+
+    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # positions: (T,); each x: (T, heads, D)
+        cos = self.cos[positions][:, None, :]                                # (T, 1, D/2)
+        sin = self.sin[positions][:, None, :]
+        return tuple(_rotate(x, cos, sin) for x in xs)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU on a fused [gate | up] projection: (T, 2I) -> (T, I)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@torch.no_grad()
+def init_random_(module: nn.Module, seed: int, embedding_std: float = 1.0) -> None:
+    """Reproducible random weights, scaled to keep activations O(1) at any depth or width.
+
+    Linear weights ~ N(0, 1/fan_in), biases ~ N(0, 0.02), embeddings ~ N(0, embedding_std),
+    norm weights ~ 1 + N(0, 0.1) (not exactly 1, so a missing norm weight shows up in tests).
+    Drawn on the parameters' own device, so large models initialise fast on a GPU.
+    """
+    gens: dict[torch.device, torch.Generator] = {}
+    for name, p in module.named_parameters():
+        gen = gens.setdefault(p.device, torch.Generator(p.device).manual_seed(seed))
+        leaf = name.rsplit(".", 2)
+        if "norm" in name or "layernorm" in name:
+            p.normal_(1.0 if leaf[-1] == "weight" else 0.0, 0.1, generator=gen)
+        elif p.dim() == 1:
+            p.normal_(0.0, 0.02, generator=gen)
+        elif "embed" in name:
+            p.normal_(0.0, embedding_std, generator=gen)
+        else:
+            p.normal_(0.0, p.shape[1] ** -0.5, generator=gen)

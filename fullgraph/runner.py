@@ -1,0 +1,211 @@
+"""FullGraphRunner: plan -> static buffers -> eager / padded / CUDA-graph step."""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from . import padding
+from .attention import AttentionMetadata
+from .attention.backends import BackendLimits, resolve_backends
+from .buffers import StaticBuffers
+from .config import RunnerConfig, resolve_mode
+from .graphs import CaptureReport, GraphKey, GraphSet
+from .kv_cache import BlockAllocator, KVCacheSpec, allocate_kv_caches
+from .models.base import check_model
+from .plan import SeqChunk, StepPlan, capture_plan, plan_step
+
+logger = logging.getLogger("fullgraph")
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    logits: torch.Tensor       # (num_chunks, vocab) float32: the last token of each chunk (a copy)
+    mode: str                  # how the step ran: "none" | "padded" | "full"
+    num_tokens: int
+    num_tokens_padded: int     # the bucket it ran in (== num_tokens when unpadded)
+
+
+class FullGraphRunner:
+    """Runs steps of ``model`` (see ``fullgraph.models.base`` for the protocol).
+
+    ``FullGraphRunner(model, config=None, **overrides)``: ``config`` is a ``RunnerConfig``;
+    keyword overrides replace its fields (or build one from defaults). Device and dtype come from
+    the model's parameters.
+
+    Attributes:
+        config: the resolved config (``num_blocks``, ``cudagraph`` and ``attention`` filled in).
+        kv_caches: one tensor per attention layer, ``(2, num_blocks, block_size, num_kv_heads,
+            head_dim)`` in the model's dtype; see ``fullgraph.kv_cache``. Block 0 is the null block.
+        blocks: the ``BlockAllocator`` of those pages (never hands out block 0).
+        policy: the composed padding policy of every backend the model uses.
+    """
+
+    def __init__(self, model: nn.Module, config: RunnerConfig | None = None, **overrides) -> None:
+        config = (config or RunnerConfig()).replace(**overrides) if overrides else (config or RunnerConfig())
+        layers = check_model(model)
+        param = next(model.parameters())
+        self.model, self.device, self.dtype = model, param.device, param.dtype
+        self.vocab_size = int(model.vocab_size)
+        config = resolve_mode(config, self.device.type == "cuda")
+        max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        if max_pos is not None and config.max_model_len > max_pos:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {max_pos}")
+        num_blocks = config.num_blocks or config.max_num_seqs * config.max_blocks_per_seq + 1
+        limits = BackendLimits(config.max_num_seqs, config.max_num_tokens, config.max_model_len,
+                               config.block_size, num_blocks, self.device, self.dtype)
+        self.backends, dense_name = resolve_backends(config.attention, layers, limits)
+        self.config = config.replace(num_blocks=num_blocks, attention=dense_name)
+        unique = list({id(b): b for b in self.backends.values()}.values())
+        self.policy = padding.compose(*(b.policy for b in unique))
+        self.kv_caches = allocate_kv_caches([KVCacheSpec(l.num_kv_heads, l.head_dim) for l in layers],
+                                            num_blocks, config.block_size, self.dtype, self.device)
+        self.blocks = BlockAllocator(num_blocks)
+        self.buffers = StaticBuffers(self.config, self.vocab_size, self.device)
+        self._graphs = GraphSet(self.device) if self.config.cudagraph == "full" else None
+        self._capture_report: CaptureReport | None = None
+        self._forward = self._model_forward
+        self._stats = {"steps": 0, "tokens": 0, "padded_tokens": 0, "graph_hits": Counter(),
+                       "eager_fallbacks": Counter()}
+
+    # ---- running a step -------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self, chunks: Sequence[SeqChunk]) -> StepOutput:
+        """Run one step; returns the logits of each chunk's last token."""
+        cfg = self.config
+        pad = cfg.cudagraph != "none"
+        plan = plan_step(chunks, cfg, self.policy, pad=pad, num_blocks=cfg.num_blocks, vocab_size=self.vocab_size)
+        for backend in self.backends.values():
+            reason = backend.step_unsupported_reason(plan)
+            if reason:
+                raise ValueError(f"attention backend {backend.name!r} cannot run this step: {reason}")
+        if cfg.validate and pad:
+            padding.check(plan, self.policy)
+        if not pad:
+            logits, mode = self._run_unpadded(plan), "none"
+        else:
+            logits, mode = self._run_padded(plan), "padded"
+        self._count(plan, mode)
+        return StepOutput(logits, mode, plan.num_tokens, plan.num_tokens_padded)
+
+    def _run_padded(self, plan: StepPlan) -> torch.Tensor:
+        key = plan.key
+        graph = self.config.cudagraph == "full" and self._graph_for(key, plan)
+        self.buffers.copy_in(plan)
+        if graph:
+            if self.config.validate:
+                self._graphs.check_addresses(self._addresses())
+            self._graphs.replay(key)
+        else:
+            self._run_static(key, plan.num_reqs_padded)
+        return self.buffers.logits[: plan.num_reqs].clone()
+
+    def _graph_for(self, key: GraphKey, plan: StepPlan) -> bool:
+        if self._capture_report is None:
+            self.capture()
+        if key in self._graphs:
+            return True
+        if plan.num_tokens_padded > self.config.buckets[-1]:
+            reason = f"{plan.num_tokens} tokens: above the largest captured size {self.config.buckets[-1]}"
+        else:
+            reason = f"backends {self.policy.name!r} do not allow {'decode' if key[1] else 'mixed'} steps in a graph"
+        if reason not in self._stats["eager_fallbacks"]:
+            logger.warning("fullgraph: running eagerly (padded): %s", reason)
+        self._stats["eager_fallbacks"][reason] += 1
+        return False
+
+    def _run_static(self, key: GraphKey, num_reqs: int) -> None:
+        """The model over the static buffers of one bucket; what a graph captures."""
+        num_tokens, decode_only = key
+        v = self.buffers.views(num_tokens, num_reqs)
+        metadata = self._metadata(v.query_start_loc, v.seq_start_loc, v.seq_lens, v.block_table,
+                                  v.slot_mapping, decode_only)
+        v.logits.copy_(self._forward(v.input_ids, v.positions, v.logits_indices, metadata))
+
+    def _run_unpadded(self, plan: StepPlan) -> torch.Tensor:
+        def dev(a):
+            return torch.from_numpy(a).to(self.device)
+        width = -(-plan.max_seq_len // self.config.block_size)   # only the pages this step needs
+        metadata = self._metadata(dev(plan.query_start_loc), dev(plan.seq_start_loc), dev(plan.seq_lens),
+                                  dev(plan.block_table[:, :width]), dev(plan.slot_mapping), plan.decode_only)
+        return self._forward(dev(plan.input_ids), dev(plan.positions), dev(plan.logits_indices), metadata)
+
+    def _metadata(self, qsl, ssl, seq_lens, block_table, slot_mapping, decode_only: bool) -> AttentionMetadata:
+        reads = self.policy.reads
+        return AttentionMetadata(
+            query_start_loc=qsl if "query_start_loc" in reads else None,
+            seq_start_loc=ssl if "seq_start_loc" in reads else None,
+            seq_lens=seq_lens if "seq_lens" in reads else None,
+            block_table=block_table if "block_table" in reads else None,
+            slot_mapping=slot_mapping if "slot_mapping" in reads else None,
+            decode_only=decode_only, backends=self.backends)
+
+    def _model_forward(self, input_ids, positions, logits_indices, metadata) -> torch.Tensor:
+        hidden = self.model(input_ids, positions, self.kv_caches, metadata)     # (T, hidden)
+        return self.model.compute_logits(hidden[logits_indices])               # (R, vocab) float32
+
+    # ---- capture -------------------------------------------------------------------------
+    def graph_keys(self) -> list[GraphKey]:
+        """Every (bucket, decode-only) pair a step can land in and the backends allow in a graph."""
+        keys = []
+        for size in self.config.buckets:
+            if size <= self.config.max_num_seqs and self.policy.allows_graph(True):
+                keys.append((size, True))
+            if size > 1 and self.policy.allows_graph(False):
+                keys.append((size, False))
+        return keys
+
+    @torch.inference_mode()
+    def capture(self) -> CaptureReport:
+        """Capture a CUDA graph for every key (largest first, one pool); returns a report."""
+        if self._graphs is None:
+            raise ValueError(f'capture() needs cudagraph="full" (this runner is {self.config.cudagraph!r})')
+        cfg = self.config
+
+        def prepare(key: GraphKey) -> None:
+            self.buffers.copy_in(capture_plan(cfg, self.policy, cfg.num_blocks, *key))
+
+        def run(key: GraphKey) -> None:
+            self._run_static(key, min(key[0], cfg.max_num_seqs))
+
+        logger.info("fullgraph: capturing %d CUDA graphs ...", len(self.graph_keys()))
+        self._capture_report = self._graphs.capture(self.graph_keys(), prepare, run, self._addresses)
+        logger.info("fullgraph: %s", self._capture_report)
+        return self._capture_report
+
+    def _addresses(self) -> dict[str, int]:
+        out = self.buffers.addresses()
+        out.update({f"kv_caches[{i}]": t.data_ptr() for i, t in enumerate(self.kv_caches)})
+        return out
+
+    # ---- statistics ----------------------------------------------------------------------
+    def _count(self, plan: StepPlan, mode: str) -> None:
+        s = self._stats
+        s["steps"] += 1
+        s["tokens"] += plan.num_tokens
+        s["padded_tokens"] += plan.num_tokens_padded - plan.num_tokens
+        if mode == "full":
+            s["graph_hits"][plan.key] += 1
+
+    def stats(self) -> dict:
+        """Steps, graph hits per key, eager fallbacks with reasons, padding waste, capture cost."""
+        s = self._stats
+        total = s["tokens"] + s["padded_tokens"]
+        report = self._capture_report
+        return {"steps": s["steps"], "tokens": s["tokens"], "padded_tokens": s["padded_tokens"],
+                "padding_waste": s["padded_tokens"] / total if total else 0.0,
+                "graph_hits": dict(s["graph_hits"]), "eager_fallbacks": dict(s["eager_fallbacks"]),
+                "graphs": report.num_graphs if report else 0,
+                "capture_seconds": report.seconds if report else 0.0,
+                "graph_bytes": report.graph_bytes if report else 0}
+
+    def stats_line(self) -> str:
+        s = self.stats()
+        return (f"steps={s['steps']} tokens={s['tokens']} padding={s['padding_waste']:.1%} "
+                f"graph_hits={sum(s['graph_hits'].values())} fallbacks={sum(s['eager_fallbacks'].values())} "
+                f"graphs={s['graphs']} capture={s['capture_seconds']:.2f}s/{s['graph_bytes'] / 2**20:.1f}MiB")
