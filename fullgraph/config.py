@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass
 
@@ -97,12 +98,12 @@ class RunnerConfig:
                     f"{self.max_num_tokens}], got {sizes!r}")
             object.__setattr__(self, "capture_sizes", tuple(sorted(set(sizes))))
 
-    @property
+    @functools.cached_property
     def max_blocks_per_seq(self) -> int:
         """Columns of ``block_table``: pages needed by a request at ``max_model_len``."""
         return -(-self.max_model_len // self.block_size)
 
-    @property
+    @functools.cached_property
     def buckets(self) -> tuple[int, ...]:
         """Token-count buckets, ascending (see ``capture_sizes``)."""
         if self.capture_sizes is None:

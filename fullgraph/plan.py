@@ -84,15 +84,41 @@ def bucket_for(num_tokens: int, buckets: Sequence[int]) -> int | None:
 
 
 def _gather(chunks: Sequence[SeqChunk], config: RunnerConfig, num_blocks: int, vocab_size: int | None):
-    """Per-chunk lengths and the flat token / block arrays, validated."""
+    """Per-chunk lengths and the flat token / block arrays, validated.
+
+    One fused check on the fast path; only when it fails does ``_explain`` find the first
+    offending chunk and field (so a valid step pays for a handful of numpy calls, not dozens).
+    """
     n = len(chunks)
     if n == 0:
         raise ValueError("a step needs at least one chunk")
     if n > config.max_num_seqs:
         raise ValueError(f"{n} chunks in one step: more than max_num_seqs = {config.max_num_seqs}")
-    q_lens = np.fromiter((len(c.token_ids) for c in chunks), np.int64, n)
-    starts = np.fromiter((c.start_pos for c in chunks), np.int64, n)
-    n_blocks = np.fromiter((len(c.block_ids) for c in chunks), np.int64, n)
+    meta = np.array([(len(c.token_ids), c.start_pos, len(c.block_ids)) for c in chunks], np.int64)
+    q_lens, starts, n_blocks = meta[:, 0], meta[:, 1], meta[:, 2]
+    ends = starts + q_lens
+    total, n_blk = int(q_lens.sum()), int(n_blocks.sum())
+    tokens = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks), np.int64, total)
+    blocks = np.fromiter(itertools.chain.from_iterable(c.block_ids for c in chunks), np.int64, n_blk)
+    ok = (total <= config.max_num_tokens and q_lens.min() > 0 and starts.min() >= 0
+          and ends.max() <= config.max_model_len and n_blocks.max() <= config.max_blocks_per_seq
+          and (n_blocks * config.block_size >= ends).all()
+          and blocks.min() > 0 and blocks.max() < num_blocks
+          and (vocab_size is None or (tokens.min() >= 0 and tokens.max() < vocab_size)))
+    if ok and n_blk > 1:
+        if n_blk <= 512:
+            ordered = np.sort(blocks)
+            ok = not (ordered[1:] == ordered[:-1]).any()
+        else:
+            ok = np.bincount(blocks).max() <= 1
+    if not ok:
+        _explain(chunks, config, num_blocks, vocab_size, q_lens, starts, n_blocks, tokens, blocks)
+    return q_lens, starts, n_blocks, tokens, blocks
+
+
+def _explain(chunks, config, num_blocks, vocab_size, q_lens, starts, n_blocks, tokens, blocks) -> None:
+    """Raise the ValueError for the first problem, in a fixed order of checks."""
+    n = len(chunks)
     _fail(chunks, q_lens == 0, "token_ids", lambda i: "empty chunk (a chunk needs at least one token)")
     total = int(q_lens.sum())
     if total > config.max_num_tokens:
@@ -108,8 +134,6 @@ def _gather(chunks: Sequence[SeqChunk], config: RunnerConfig, num_blocks: int, v
     mb = config.max_blocks_per_seq
     _fail(chunks, n_blocks > mb, "block_ids",
           lambda i: f"{n_blocks[i]} blocks: more than max_blocks_per_seq = {mb} (max_model_len / block_size)")
-    tokens = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks), np.int64, total)
-    blocks = np.fromiter(itertools.chain.from_iterable(c.block_ids for c in chunks), np.int64, int(n_blocks.sum()))
     tok_owner = np.repeat(np.arange(n), q_lens)
     blk_owner = np.repeat(np.arange(n), n_blocks)
     if vocab_size is not None:
@@ -125,7 +149,7 @@ def _gather(chunks: Sequence[SeqChunk], config: RunnerConfig, num_blocks: int, v
         a, b = order[dup[0]], order[dup[0] + 1]
         other = "the same chunk" if blk_owner[a] == blk_owner[b] else _who(chunks, int(blk_owner[a]))
         raise ValueError(f"{_who(chunks, int(blk_owner[b]))}: block_ids: block {blocks[b]} is also used by {other}")
-    return q_lens, starts, n_blocks, tokens, blocks
+    raise AssertionError("_explain found no problem the fast check reported")
 
 
 def _padded_sizes(num_tokens: int, config: RunnerConfig, pad: bool) -> tuple[int, int | None]:
@@ -174,34 +198,43 @@ def capture_plan(config: RunnerConfig, policy: PaddingPolicy, num_blocks: int, n
 def _layout(q_lens, starts, n_blocks, tokens, blocks, config: RunnerConfig, policy: PaddingPolicy,
             t_pad: int, r_pad: int, num_blocks: int) -> StepPlan:
     nr, nt, bs, mb = len(q_lens), len(tokens), config.block_size, config.max_blocks_per_seq
+    decode_only = nt == nr  # every chunk has one token (none is empty)
 
-    qsl = np.zeros(r_pad + 1, np.int32)
+    qsl = np.empty(r_pad + 1, np.int32)
+    qsl[0] = 0
     np.cumsum(q_lens, out=qsl[1: nr + 1])
-    seq_lens = np.full(r_pad, _tail(policy.tail("seq_lens"), 0), np.int32)
-    seq_lens[:nr] = starts + q_lens
-    ssl = np.zeros(r_pad + 1, np.int32)
-    np.cumsum(seq_lens[:nr], out=ssl[1: nr + 1])
-    qsl[nr + 1:] = _tail(policy.tail("query_start_loc"), qsl[nr])
+    qsl[nr + 1:] = _tail(policy.tail("query_start_loc"), nt)
+    seq_lens = np.empty(r_pad, np.int32)
+    ends = starts + q_lens
+    seq_lens[:nr] = ends
+    seq_lens[nr:] = _tail(policy.tail("seq_lens"), 0)
+    ssl = np.empty(r_pad + 1, np.int32)
+    ssl[0] = 0
+    np.cumsum(ends, out=ssl[1: nr + 1])
     ssl[nr + 1:] = _tail(policy.tail("seq_start_loc"), ssl[nr])
 
     blk_start = np.zeros(nr, np.int64)
     np.cumsum(n_blocks[:-1], out=blk_start[1:])
-    block_table = np.full((r_pad, mb), policy.tail("block_table"), np.int32)
-    rows = np.repeat(np.arange(nr), n_blocks)
-    block_table[rows, np.arange(len(blocks)) - blk_start[rows]] = blocks
-    block_table[:nr][np.arange(mb)[None, :] >= n_blocks[:, None]] = 0  # a real row's unused pages
+    block_table = np.zeros((r_pad, mb), np.int32)  # a real row's unused pages: the null block
+    block_table[nr:] = policy.tail("block_table")
+    block_table.ravel()[np.repeat(np.arange(nr) * mb - blk_start, n_blocks) + np.arange(len(blocks))] = blocks
 
-    positions = np.full(t_pad, policy.tail("positions"), np.int64)
-    positions[:nt] = np.arange(nt) + np.repeat(starts - qsl[:nr], q_lens)
-    slots = np.full(t_pad, policy.tail("slot_mapping"), np.int64)
-    slots[:nt] = blocks[np.repeat(blk_start, q_lens) + positions[:nt] // bs] * bs + positions[:nt] % bs
-    input_ids = np.full(t_pad, policy.tail("input_ids"), np.int64)
+    positions = np.empty(t_pad, np.int64)
+    positions[:nt] = starts if decode_only else np.arange(nt) + np.repeat(starts - qsl[:nr], q_lens)
+    positions[nt:] = policy.tail("positions")
+    real = positions[:nt]
+    page = blk_start if decode_only else np.repeat(blk_start, q_lens)
+    slots = np.empty(t_pad, np.int64)
+    slots[:nt] = blocks[page + real // bs] * bs + real % bs
+    slots[nt:] = policy.tail("slot_mapping")
+    input_ids = np.empty(t_pad, np.int64)
     input_ids[:nt] = tokens
-    logits_indices = qsl[1:].astype(np.int64) - 1
-    logits_indices[nr:] = nt - 1
+    input_ids[nt:] = policy.tail("input_ids")
+    logits_indices = np.full(r_pad, nt - 1, np.int64)
+    logits_indices[:nr] = qsl[1: nr + 1] - 1
     return StepPlan(
         input_ids=input_ids, positions=positions, query_start_loc=qsl, seq_start_loc=ssl,
         seq_lens=seq_lens, block_table=block_table, slot_mapping=slots, logits_indices=logits_indices,
         num_reqs=nr, num_tokens=nt, num_reqs_padded=r_pad, num_tokens_padded=t_pad,
-        decode_only=bool((q_lens == 1).all()), max_query_len=int(q_lens.max()),
-        max_seq_len=int(seq_lens[:nr].max()), block_size=bs, num_blocks=num_blocks)
+        decode_only=decode_only, max_query_len=int(q_lens.max()),
+        max_seq_len=int(ends.max()), block_size=bs, num_blocks=num_blocks)

@@ -77,7 +77,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def init_random_(module: nn.Module, seed: int, embedding_std: float = 1.0) -> None:
     """Reproducible random weights, scaled to keep activations O(1) at any depth or width.
 
-    Linear weights ~ N(0, 1/fan_in), biases ~ N(0, 0.02), embeddings ~ N(0, embedding_std),
+    Linear weights ~ N(0, 1/fan_in), biases ~ N(0, 0.02), embeddings and an untied LM head
+    ~ N(0, embedding_std) (peaked logits, so greedy decoding is not a coin toss),
     norm weights ~ 1 + N(0, 0.1) (not exactly 1, so a missing norm weight shows up in tests).
     Drawn on the parameters' own device, so large models initialise fast on a GPU.
     """
@@ -89,7 +90,7 @@ def init_random_(module: nn.Module, seed: int, embedding_std: float = 1.0) -> No
             p.normal_(1.0 if leaf[-1] == "weight" else 0.0, 0.1, generator=gen)
         elif p.dim() == 1:
             p.normal_(0.0, 0.02, generator=gen)
-        elif "embed" in name:
+        elif "embed" in name or "lm_head" in name:
             p.normal_(0.0, embedding_std, generator=gen)
         else:
             p.normal_(0.0, p.shape[1] ** -0.5, generator=gen)

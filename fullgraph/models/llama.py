@@ -46,9 +46,9 @@ class LlamaConfig:
 
     @classmethod
     def toy(cls) -> LlamaConfig:
-        """toy-llama: 2 layers, hidden 64, 4 heads / 2 KV heads of 16, vocab 512, tied."""
+        """toy-llama: 2 layers, hidden 64, 4 heads / 2 KV heads of 16, vocab 512, untied head."""
         return cls(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                   num_kv_heads=2, max_position_embeddings=4096, tie_word_embeddings=True)
+                   num_kv_heads=2, max_position_embeddings=4096)
 
     @classmethod
     def llama_1b(cls) -> LlamaConfig:

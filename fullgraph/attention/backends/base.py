@@ -52,6 +52,11 @@ class AttentionBackend:
         """Why this backend cannot serve these layers here (None when it can)."""
         return None
 
+    @classmethod
+    def supports_context(cls) -> bool:
+        """Whether every step kind can run (False: only prompts without cached context)."""
+        return True
+
     def step_unsupported_reason(self, plan: StepPlan) -> str | None:
         """Why this backend cannot run a planned step (e.g. one with cached context); None if it can.
 

@@ -1,0 +1,195 @@
+"""Benchmarks (scripts, not tests: they print a table and write JSON, never assert on time).
+
+    python -m fullgraph.bench decode --preset llama-1b --batch 1 32 --context 1024
+    python -m fullgraph.bench capture --preset llama-1b
+    python -m fullgraph.bench plan
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from . import FullGraphRunner, RunnerConfig, SeqChunk, models, padding, plan_step
+
+
+def _presets() -> dict:
+    out = {"toy": lambda **kw: models.Llama(models.LlamaConfig.toy(), **kw),
+           "llama-1b": lambda **kw: models.Llama(models.LlamaConfig.llama_1b(), **kw)}
+    if hasattr(models, "Phi3Small"):
+        out["phi3-small-8k"] = lambda **kw: models.Phi3Small(models.Phi3SmallConfig.phi3_small_8k(), **kw)
+        out["phi3-small-128k"] = lambda **kw: models.Phi3Small(models.Phi3SmallConfig.phi3_small_128k(), **kw)
+        out["phi3-small-8k-dense"] = lambda **kw: models.Phi3Small(
+            models.Phi3SmallConfig.phi3_small_8k().replace(dense_attention_every_n_layers=1), **kw)
+    return out
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes/s of a large device-to-device copy (bytes read + written)."""
+    if device.type != "cuda":
+        return float("nan")
+    src = torch.empty(2**28, dtype=torch.float32, device=device)  # 1 GiB
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 2 * src.numel() * 4 * 10 / (start.elapsed_time(end) / 1e3)
+
+
+def weight_bytes_read(model: torch.nn.Module) -> int:
+    """Bytes of weights one decode step reads: every parameter except the embedding table,
+    which only contributes a few rows (unless tied, when it is the LM head and is read whole)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = getattr(model, "embed_tokens", None)
+    tied = getattr(model, "lm_head", None) is None
+    if embed is not None and not tied:
+        total -= embed.weight.numel() * embed.weight.element_size()
+    return total
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_decode(runner: FullGraphRunner, batch: int, context: int, steps: int, warmup: int) -> list[float]:
+    """Wall time of each decode step (synchronised), batch requests at ``context`` tokens."""
+    bs = runner.config.block_size
+    blocks = [runner.blocks.allocate(-(-(context + steps + warmup + 1) // bs)) for _ in range(batch)]
+    gen = torch.Generator(device=runner.device).manual_seed(0)
+    for cache in runner.kv_caches:  # the context's KV: random, as if a prefill had written it
+        cache.normal_(generator=gen)
+    times = []
+    for i in range(warmup + steps):
+        chunks = [SeqChunk([(7 * r + i) % 1000], context + i, blocks[r]) for r in range(batch)]
+        _sync(runner.device)
+        start = time.perf_counter()
+        runner.step(chunks)
+        _sync(runner.device)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    for ids in blocks:
+        runner.blocks.free(ids)
+    return times
+
+
+def bench_decode(args) -> list[dict]:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    model = _presets()[args.preset](dtype=dtype, device=device, seed=0)
+    bandwidth = copy_bandwidth(device)
+    w_bytes = weight_bytes_read(model)
+    rows = []
+    for batch in args.batch:
+        for mode in args.modes:
+            if mode == "full" and device.type != "cuda":
+                continue
+            max_len = -(-(args.context + args.steps + args.warmup + 1) // 256) * 256
+            runner = FullGraphRunner(model, max_num_seqs=max(batch, 1), max_num_tokens=max(batch, 16),
+                                     max_model_len=max_len, cudagraph=mode, attention=args.attention,
+                                     capture_sizes=(batch,), compile=args.compile)
+            kv_read = batch * args.context * sum(
+                2 * c.shape[3] * c.shape[4] * c.element_size() for c in runner.kv_caches)
+            floor = (w_bytes + kv_read) / bandwidth * 1e3 if bandwidth == bandwidth else float("nan")
+            t = time_decode(runner, batch, args.context, args.steps, args.warmup)
+            rows.append({"preset": args.preset, "batch": batch, "context": args.context, "mode": mode,
+                         "attention": runner.config.attention, "compile": args.compile, "dtype": args.dtype,
+                         "step_ms": statistics.median(t) * 1e3, "p10_ms": np.percentile(t, 10) * 1e3,
+                         "p90_ms": np.percentile(t, 90) * 1e3, "floor_ms": floor,
+                         "weight_bytes": w_bytes, "kv_bytes": kv_read, "copy_TBps": bandwidth / 1e12})
+            print(f"  {args.preset} batch {batch} {mode}: {rows[-1]['step_ms']:.3f} ms", flush=True)
+            del runner
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    _table(rows, ["preset", "batch", "context", "mode", "attention", "step_ms", "p10_ms", "p90_ms", "floor_ms"])
+    eager = {r["batch"]: r["step_ms"] for r in rows if r["mode"] == "none"}
+    for r in rows:
+        if r["mode"] == "full" and r["batch"] in eager:
+            print(f"batch {r['batch']}: full is {eager[r['batch']] / r['step_ms']:.2f}x faster than eager, "
+                  f"{r['step_ms'] / r['floor_ms']:.2f}x the bandwidth floor")
+    return rows
+
+
+def bench_capture(args) -> list[dict]:
+    device = torch.device("cuda")
+    model = _presets()[args.preset](dtype=torch.bfloat16, device=device, seed=0)
+    runner = FullGraphRunner(model, RunnerConfig(cudagraph="full", attention=args.attention, compile=args.compile))
+    report = runner.capture()
+    row = {"preset": args.preset, "attention": runner.config.attention, "graphs": report.num_graphs,
+           "seconds": report.seconds, "graph_MiB": report.graph_bytes / 2**20,
+           "max_num_tokens": runner.config.max_num_tokens, "max_num_seqs": runner.config.max_num_seqs}
+    _table([row], list(row))
+    return [row]
+
+
+def bench_plan(args) -> list[dict]:
+    cfg = RunnerConfig(max_num_seqs=256, max_num_tokens=2048, max_model_len=4096, num_blocks=256 * 256 + 1)
+    policy = padding.get_policy("sdpa")
+    rows = []
+    for n in (1, 32, 256):
+        chunks = [SeqChunk([i % 100], 1000 + i, list(range(1 + 256 * i, 1 + 256 * i + 80))) for i in range(n)]
+        for _ in range(20):
+            plan_step(chunks, cfg, policy, vocab_size=1000)
+        t = []
+        for _ in range(200):
+            start = time.perf_counter()
+            plan_step(chunks, cfg, policy, vocab_size=1000)
+            t.append(time.perf_counter() - start)
+        rows.append({"decode_chunks": n, "plan_us_median": statistics.median(t) * 1e6,
+                     "plan_us_p90": np.percentile(t, 90) * 1e6})
+    _table(rows, list(rows[0]))
+    return rows
+
+
+def _table(rows: list[dict], cols: list[str]) -> None:
+    def fmt(v):
+        return f"{v:.3f}" if isinstance(v, float) else str(v)
+    widths = [max(len(c), *(len(fmt(r[c])) for r in rows)) for c in cols]
+    print(" | ".join(c.rjust(w) for c, w in zip(cols, widths)))
+    print("-+-".join("-" * w for w in widths))
+    for r in rows:
+        print(" | ".join(fmt(r[c]).rjust(w) for c, w in zip(cols, widths)))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m fullgraph.bench")
+    sub = parser.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("decode", help="decode-step latency per mode, against the bandwidth floor")
+    d.add_argument("--preset", default="toy", choices=sorted(_presets()))
+    d.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    d.add_argument("--context", type=int, default=1024)
+    d.add_argument("--modes", nargs="+", default=["none", "padded", "full"])
+    d.add_argument("--attention", default="auto")
+    d.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    d.add_argument("--steps", type=int, default=50)
+    d.add_argument("--warmup", type=int, default=5)
+    d.add_argument("--compile", action="store_true")
+    c = sub.add_parser("capture", help="capture every default size (CUDA)")
+    c.add_argument("--preset", default="llama-1b", choices=sorted(_presets()))
+    c.add_argument("--attention", default="auto")
+    c.add_argument("--compile", action="store_true")
+    sub.add_parser("plan", help="host planning cost of decode batches")
+    for p in (d, c, sub.choices["plan"]):
+        p.add_argument("--out", default=None, help="JSON output path")
+    args = parser.parse_args(argv)
+    rows = {"decode": bench_decode, "capture": bench_capture, "plan": bench_plan}[args.command](args)
+    out = args.out or f"bench_{args.command}.json"
+    with open(out, "w") as f:
+        json.dump({"command": args.command, "device": torch.cuda.get_device_name() if torch.cuda.is_available()
+                   else "cpu", "torch": torch.__version__, "rows": rows}, f, indent=1)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

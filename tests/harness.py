@@ -1,0 +1,101 @@
+"""The toy-llama regression harness: one model, a reference runner and a runner under test.
+
+``Twin`` runs every step on both runners (each with its own KV cache, allocated identically) and
+returns both outputs. The reference is always ``cudagraph="none"`` with the same backend, so a
+difference isolates padding (``"padded"``) or capture (``"full"``) bugs.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+import fullgraph as fg
+
+HAS_CUDA = torch.cuda.is_available()
+LIMITS = dict(max_num_seqs=8, max_num_tokens=128, max_model_len=256, block_size=16)
+
+
+@dataclass(frozen=True)
+class Mode:
+    cudagraph: str
+    attention: str = "sdpa"
+    compile: bool = False
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def id(self) -> str:
+        dt = str(self.dtype).removeprefix("torch.")
+        return f"{self.cudagraph}-{self.attention}{'-compile' if self.compile else ''}-{dt}"
+
+
+def modes_under_test() -> list[Mode]:
+    """CPU: padded mode per available backend. GPU: full graphs per backend, compiled too."""
+    backends = ["sdpa"] + [b for b in ("triton",) if b in fg.attention.backends.available_backends()]
+    if HAS_CUDA:
+        out = [Mode("full", b) for b in backends + ["flash"] if b in fg.attention.backends.available_backends()]
+        return out + [Mode("full", "sdpa", compile=True)]
+    out = [Mode("padded", "sdpa")]
+    if os.environ.get("FULLGRAPH_TEST_TRITON", "1") == "1" and "triton" in backends:
+        out.append(Mode("padded", "triton"))
+    return out
+
+
+@functools.lru_cache(maxsize=4)
+def toy_model(dtype: torch.dtype = torch.float32) -> fg.models.Llama:
+    return fg.models.Llama(fg.models.LlamaConfig.toy(), dtype=dtype, device="cuda" if HAS_CUDA else "cpu", seed=0)
+
+
+def make_runner(mode: Mode, cudagraph: str | None = None, **overrides) -> fg.FullGraphRunner:
+    kwargs = {**LIMITS, **overrides}
+    return fg.FullGraphRunner(toy_model(mode.dtype), cudagraph=cudagraph or mode.cudagraph,
+                              attention=mode.attention, compile=mode.compile, **kwargs)
+
+
+@dataclass
+class Request:
+    """A request's tokens so far and its pages (the same ids in both runners of a twin)."""
+
+    blocks: list[int]
+    pos: int = 0
+    tokens: list[int] = field(default_factory=list)
+
+
+class Twin:
+    def __init__(self, mode: Mode, **overrides) -> None:
+        self.ref = make_runner(mode, cudagraph="none", **overrides)
+        self.test = make_runner(mode, **overrides)
+        self.rng = np.random.default_rng(0)
+
+    def new_request(self, max_len: int) -> Request:
+        n = -(-max_len // self.ref.config.block_size)
+        ids = self.ref.blocks.allocate(n)
+        assert self.test.blocks.allocate(n) == ids
+        return Request(ids)
+
+    def chunk(self, req: Request, n: int, tokens: list[int] | None = None) -> fg.SeqChunk:
+        """The next ``n`` tokens of ``req`` (random unless given); advances the request."""
+        tokens = tokens if tokens is not None else self.rng.integers(0, 512, n).tolist()
+        chunk = fg.SeqChunk(tokens, req.pos, req.blocks)
+        req.pos += n
+        req.tokens += tokens
+        return chunk
+
+    def step(self, chunks: list[fg.SeqChunk]) -> tuple[fg.StepOutput, fg.StepOutput]:
+        return self.ref.step(chunks), self.test.step(chunks)
+
+
+def assert_logits_close(ref: fg.StepOutput, got: fg.StepOutput, dtype=torch.float32) -> None:
+    assert got.logits.shape == ref.logits.shape
+    assert torch.isfinite(got.logits).all(), "NaN/inf in real logits"
+    tol = 1e-5 if dtype == torch.float32 else 5e-2
+    scale = ref.logits.abs().max().clamp(min=1.0)
+    err = ((got.logits - ref.logits).abs().max() / scale).item()
+    assert err <= tol, f"max relative |delta| {err:.3g} > {tol:g} (ran as {got.mode}, bucket {got.num_tokens_padded})"
+
+
+def kv_bytes(runner: fg.FullGraphRunner) -> list[torch.Tensor]:
+    return [c.detach().view(torch.uint8).cpu().clone() for c in runner.kv_caches]

@@ -1,0 +1,124 @@
+"""plan_step: layout properties over random batches, and a clear ValueError for every bad input."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import fullgraph as fg
+from fullgraph.padding import check, get_policy
+from fullgraph.plan import bucket_for
+
+CFG = fg.RunnerConfig(max_num_seqs=8, max_num_tokens=64, max_model_len=200, block_size=16, num_blocks=120)
+
+
+def random_chunks(rng: np.random.Generator, cfg: fg.RunnerConfig = CFG) -> list[fg.SeqChunk]:
+    n = int(rng.integers(1, cfg.max_num_seqs + 1))
+    budget = cfg.max_num_tokens
+    pool = list(rng.permutation(np.arange(1, cfg.num_blocks)))
+    chunks = []
+    for i in range(n):
+        q_len = 1 if rng.random() < 0.5 else int(rng.integers(1, max(2, budget - (n - i - 1)) // 2 + 1))
+        q_len = max(1, min(q_len, budget - (n - i - 1)))
+        budget -= q_len
+        start = int(rng.integers(0, cfg.max_model_len - q_len + 1))
+        need = -(-(start + q_len) // cfg.block_size) + int(rng.integers(0, 2))
+        need = min(need, cfg.max_blocks_per_seq)
+        blocks = [int(pool.pop()) for _ in range(need)]
+        chunks.append(fg.SeqChunk(rng.integers(0, 100, q_len).tolist(), start, blocks, request_id=f"r{i}"))
+    return chunks
+
+
+def naive_layout(chunks, cfg):
+    """Per-chunk loop: the obviously-correct version of the planner's vectorised arithmetic."""
+    positions, slots, ids, last = [], [], [], []
+    for c in chunks:
+        for j, tok in enumerate(c.token_ids):
+            p = c.start_pos + j
+            positions.append(p)
+            slots.append(c.block_ids[p // cfg.block_size] * cfg.block_size + p % cfg.block_size)
+            ids.append(tok)
+        last.append(len(positions) - 1)
+    return positions, slots, ids, last
+
+
+@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("pad", [True, False])
+def test_random_batches_lay_out_and_pass_check(seed, pad):
+    rng = np.random.default_rng(seed)
+    chunks = random_chunks(rng)
+    policy = get_policy("sdpa")
+    plan = fg.plan_step(chunks, CFG, policy, pad=pad)
+    if pad:
+        check(plan, policy)
+    nt, nr = plan.num_tokens, plan.num_reqs
+    positions, slots, ids, last = naive_layout(chunks, CFG)
+    assert nt == len(positions) and nr == len(chunks)
+    np.testing.assert_array_equal(plan.positions[:nt], positions)
+    np.testing.assert_array_equal(plan.slot_mapping[:nt], slots)
+    np.testing.assert_array_equal(plan.input_ids[:nt], ids)
+    np.testing.assert_array_equal(plan.logits_indices[:nr], last)
+    np.testing.assert_array_equal(plan.seq_lens[:nr], [c.start_pos + len(c.token_ids) for c in chunks])
+    for r, c in enumerate(chunks):
+        np.testing.assert_array_equal(plan.block_table[r, : len(c.block_ids)], c.block_ids)
+        assert not plan.block_table[r, len(c.block_ids):].any()
+    expected_t = bucket_for(nt, CFG.buckets) if pad else nt
+    assert plan.num_tokens_padded == expected_t
+    assert plan.num_reqs_padded == (min(expected_t, CFG.max_num_seqs) if pad else nr)
+    assert len(plan.query_start_loc) == plan.num_reqs_padded + 1
+    assert plan.block_table.shape == (plan.num_reqs_padded, CFG.max_blocks_per_seq)
+    assert plan.decode_only == all(len(c.token_ids) == 1 for c in chunks)
+
+
+def test_decode_batches_pad_requests_with_tokens():
+    chunks = [fg.SeqChunk([1], 5, [i + 1]) for i in range(3)]
+    plan = fg.plan_step(chunks, CFG, get_policy("sdpa"))
+    assert plan.key == (4, True) and plan.num_reqs_padded == 4
+    np.testing.assert_array_equal(plan.query_start_loc, [0, 1, 2, 3, 3])
+    np.testing.assert_array_equal(plan.seq_start_loc, [0, 6, 12, 18, 18])
+    np.testing.assert_array_equal(plan.slot_mapping, [21, 37, 53, -1])
+    np.testing.assert_array_equal(plan.seq_lens, [6, 6, 6, 0])
+
+
+def test_seq_lens_tail_follows_the_policy():
+    policy = fg.PaddingPolicy("tail_one", reads=frozenset({"seq_lens"}), tails={"seq_lens": 1})
+    plan = fg.plan_step([fg.SeqChunk([1, 2, 3], 0, [1])], CFG, policy)
+    assert plan.num_reqs_padded == 4 and list(plan.seq_lens) == [3, 1, 1, 1]
+    check(plan, policy)
+
+
+def test_default_capture_sizes_include_off_stride_maxima():
+    cfg = fg.RunnerConfig(max_num_seqs=12, max_num_tokens=300)
+    sizes = cfg.buckets
+    assert sizes[:5] == (1, 2, 4, 8, 12) and 256 in sizes and 272 in sizes and 288 in sizes
+    assert sizes[-1] == 300 and 264 not in sizes
+    custom = fg.RunnerConfig(max_num_seqs=6, max_num_tokens=64, capture_sizes=(8, 2, 4))
+    assert custom.buckets == (2, 4, 6, 8)
+
+
+def _chunk(tokens=(1, 2), start=0, blocks=(1,), rid=None):
+    return fg.SeqChunk(list(tokens), start, list(blocks), request_id=rid)
+
+
+BAD_INPUTS = [
+    ("empty chunk", [_chunk(), _chunk(tokens=(), blocks=(2,))], "chunk 1", "token_ids"),
+    ("negative start", [_chunk(start=-1)], "chunk 0", "start_pos"),
+    ("past max_model_len", [_chunk(start=199, blocks=range(1, 14))], "chunk 0", "max_model_len"),
+    ("too few blocks", [_chunk(tokens=range(20))], "chunk 0", "block_ids"),
+    ("block out of range", [_chunk(blocks=(120,))], "chunk 0", "block_ids"),
+    ("null block", [_chunk(), _chunk(blocks=(0,), rid="b")], "chunk 1 (request 'b')", "null block"),
+    ("shared block", [_chunk(blocks=(3,)), _chunk(blocks=(3,))], "chunk 1", "block 3 is also used by chunk 0"),
+    ("block twice in one chunk", [_chunk(tokens=range(20), blocks=(4, 4))], "chunk 0", "the same chunk"),
+    ("too many blocks", [_chunk(blocks=range(1, 15))], "chunk 0", "max_blocks_per_seq"),
+    ("too many tokens", [_chunk(tokens=range(65), blocks=range(1, 6))], "65 tokens", "max_num_tokens"),
+    ("too many chunks", [_chunk(blocks=(i,)) for i in range(1, 10)], "9 chunks", "max_num_seqs"),
+    ("token outside vocab", [_chunk(), _chunk(tokens=(3, 100), blocks=(2,))], "chunk 1", "token id 100"),
+    ("negative token", [_chunk(tokens=(-1,))], "chunk 0", "token id -1"),
+    ("no chunks", [], "at least one chunk", "chunk"),
+]
+
+
+@pytest.mark.parametrize("name,chunks,who,what", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_names_the_chunk_and_field(name, chunks, who, what):
+    with pytest.raises(ValueError) as err:
+        fg.plan_step(chunks, CFG, get_policy("sdpa"), vocab_size=100)
+    assert who in str(err.value) and what in str(err.value)
