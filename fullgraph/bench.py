@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import statistics
@@ -25,7 +26,7 @@ def _presets() -> dict:
         out["phi3-small-8k"] = lambda **kw: models.Phi3Small(models.Phi3SmallConfig.phi3_small_8k(), **kw)
         out["phi3-small-128k"] = lambda **kw: models.Phi3Small(models.Phi3SmallConfig.phi3_small_128k(), **kw)
         out["phi3-small-8k-dense"] = lambda **kw: models.Phi3Small(
-            models.Phi3SmallConfig.phi3_small_8k().replace(dense_attention_every_n_layers=1), **kw)
+            dataclasses.replace(models.Phi3SmallConfig.phi3_small_8k(), dense_attention_every_n_layers=1), **kw)
     return out
 
 

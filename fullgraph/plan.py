@@ -181,16 +181,18 @@ def plan_step(chunks: Sequence[SeqChunk], config: RunnerConfig, policy: PaddingP
 
 
 def capture_plan(config: RunnerConfig, policy: PaddingPolicy, num_blocks: int, num_tokens: int,
-                 decode_only: bool) -> StepPlan:
+                 decode_only: bool, num_reqs: int | None = None) -> StepPlan:
     """A plan to capture the graph of one key with: short sequences that read only the null block
-    and write nothing (every slot -1), so capture neither depends on nor touches the cache."""
-    r = min(num_tokens, config.max_num_seqs)
+    and write nothing (every slot -1), so capture neither depends on nor touches the cache.
+    ``num_reqs`` (default: as many as the bucket pads to) spreads the tokens over that many."""
+    r = num_reqs or min(num_tokens, config.max_num_seqs)
     q_lens = np.full(r, num_tokens // r, np.int64)
     q_lens[: num_tokens % r] += 1
     n_blocks = -(-q_lens // config.block_size)
     blocks = np.zeros(int(n_blocks.sum()), np.int64)
+    r_pad = min(num_tokens, config.max_num_seqs) if num_reqs is None else r
     plan = _layout(q_lens, np.zeros(r, np.int64), n_blocks, np.zeros(num_tokens, np.int64), blocks,
-                   config, policy, num_tokens, r, num_blocks)
+                   config, policy, num_tokens, r_pad, num_blocks)
     plan.slot_mapping[:] = -1
     return dataclasses.replace(plan, decode_only=decode_only)
 

@@ -13,6 +13,7 @@ from . import padding
 from .attention import AttentionMetadata
 from .attention.backends import BackendLimits, resolve_backends
 from .buffers import StaticBuffers
+from .compile import CompiledStep
 from .config import RunnerConfig, resolve_mode
 from .graphs import CaptureReport, GraphKey, GraphSet
 from .kv_cache import BlockAllocator, KVCacheSpec, allocate_kv_caches
@@ -52,10 +53,10 @@ class FullGraphRunner:
         self.model, self.device, self.dtype = model, param.device, param.dtype
         self.vocab_size = int(model.vocab_size)
         config = resolve_mode(config, self.device.type == "cuda")
-        max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-        if max_pos is not None and config.max_model_len > max_pos:
-            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
-                             f"max_position_embeddings {max_pos}")
+        for name, limit in (("max_position_embeddings", getattr(getattr(model, "config", None), "max_position_embeddings", None)),
+                            ("max_model_len", getattr(model, "max_model_len", None))):
+            if limit is not None and config.max_model_len > limit:
+                raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {name} {limit}")
         num_blocks = config.num_blocks or config.max_num_seqs * config.max_blocks_per_seq + 1
         limits = BackendLimits(config.max_num_seqs, config.max_num_tokens, config.max_model_len,
                                config.block_size, num_blocks, self.device, self.dtype)
@@ -69,7 +70,9 @@ class FullGraphRunner:
         self.buffers = StaticBuffers(self.config, self.vocab_size, self.device)
         self._graphs = GraphSet(self.device) if self.config.cudagraph == "full" else None
         self._capture_report: CaptureReport | None = None
-        self._forward = self._model_forward
+        self._compiled = CompiledStep(self._model_forward, strict=self.config.validate) if self.config.compile else None
+        self._forward = self._compiled or self._model_forward
+        self._warm = False
         self._stats = {"steps": 0, "tokens": 0, "padded_tokens": 0, "graph_hits": Counter(),
                        "eager_fallbacks": Counter()}
 
@@ -79,6 +82,8 @@ class FullGraphRunner:
         """Run one step; returns the logits of each chunk's last token."""
         cfg = self.config
         pad = cfg.cudagraph != "none"
+        if self._compiled is not None and not self._warm:
+            self.warmup()
         plan = plan_step(chunks, cfg, self.policy, pad=pad, num_blocks=cfg.num_blocks, vocab_size=self.vocab_size)
         for backend in self.backends.values():
             reason = backend.step_unsupported_reason(plan)
@@ -123,31 +128,54 @@ class FullGraphRunner:
         """The model over the static buffers of one bucket; what a graph captures."""
         num_tokens, decode_only = key
         v = self.buffers.views(num_tokens, num_reqs)
-        metadata = self._metadata(v.query_start_loc, v.seq_start_loc, v.seq_lens, v.block_table,
-                                  v.slot_mapping, decode_only)
-        v.logits.copy_(self._forward(v.input_ids, v.positions, v.logits_indices, metadata))
+        v.logits.copy_(self._forward(v.input_ids, v.positions, v.logits_indices, v.query_start_loc,
+                                     v.seq_start_loc, v.seq_lens, v.block_table, v.slot_mapping, decode_only))
 
     def _run_unpadded(self, plan: StepPlan) -> torch.Tensor:
         def dev(a):
             return torch.from_numpy(a).to(self.device)
-        width = -(-plan.max_seq_len // self.config.block_size)   # only the pages this step needs
-        metadata = self._metadata(dev(plan.query_start_loc), dev(plan.seq_start_loc), dev(plan.seq_lens),
-                                  dev(plan.block_table[:, :width]), dev(plan.slot_mapping), plan.decode_only)
-        return self._forward(dev(plan.input_ids), dev(plan.positions), dev(plan.logits_indices), metadata)
+        return self._forward(dev(plan.input_ids), dev(plan.positions), dev(plan.logits_indices),
+                             dev(plan.query_start_loc), dev(plan.seq_start_loc), dev(plan.seq_lens),
+                             dev(plan.block_table), dev(plan.slot_mapping), plan.decode_only)
 
-    def _metadata(self, qsl, ssl, seq_lens, block_table, slot_mapping, decode_only: bool) -> AttentionMetadata:
+    def _model_forward(self, input_ids, positions, logits_indices, query_start_loc, seq_start_loc, seq_lens,
+                       block_table, slot_mapping, decode_only: bool) -> torch.Tensor:
+        """Model + logits for one step: the function ``compile=True`` compiles (tensors in, logits out)."""
         reads = self.policy.reads
-        return AttentionMetadata(
-            query_start_loc=qsl if "query_start_loc" in reads else None,
-            seq_start_loc=ssl if "seq_start_loc" in reads else None,
+        metadata = AttentionMetadata(
+            query_start_loc=query_start_loc if "query_start_loc" in reads else None,
+            seq_start_loc=seq_start_loc if "seq_start_loc" in reads else None,
             seq_lens=seq_lens if "seq_lens" in reads else None,
             block_table=block_table if "block_table" in reads else None,
             slot_mapping=slot_mapping if "slot_mapping" in reads else None,
             decode_only=decode_only, backends=self.backends)
-
-    def _model_forward(self, input_ids, positions, logits_indices, metadata) -> torch.Tensor:
         hidden = self.model(input_ids, positions, self.kv_caches, metadata)     # (T, hidden)
         return self.model.compute_logits(hidden[logits_indices])               # (R, vocab) float32
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """Run every step shape once on dummy plans (reading the null block, writing nothing), so
+        Triton JIT and, with ``compile=True``, every compilation happen now, not mid-serving."""
+        cfg = self.config
+        if cfg.cudagraph == "full":
+            self.capture()
+            return
+        if cfg.cudagraph == "padded":
+            for key in sorted(self.graph_keys(), reverse=True):
+                self.buffers.copy_in(capture_plan(cfg, self.policy, cfg.num_blocks, *key))
+                self._run_static(key, min(key[0], cfg.max_num_seqs))
+        else:  # unpadded: one request / several requests, decode / mixed
+            for tokens, reqs, decode in ((3, 2, False), (2, 1, False), (2, 2, True), (1, 1, True)):
+                reqs = min(reqs, cfg.max_num_seqs)
+                self._run_unpadded(capture_plan(cfg, self.policy, cfg.num_blocks, tokens, decode, num_reqs=reqs))
+        self._finish_warmup()
+
+    def _finish_warmup(self) -> None:
+        self._warm = True
+        if self._compiled is not None:
+            self._compiled.mark_warm()
+            logger.info("fullgraph: compiled %d graphs in %.1f s", self._compiled.stats.graphs,
+                        self._compiled.stats.seconds)
 
     # ---- capture -------------------------------------------------------------------------
     def graph_keys(self) -> list[GraphKey]:
@@ -176,6 +204,7 @@ class FullGraphRunner:
         logger.info("fullgraph: capturing %d CUDA graphs ...", len(self.graph_keys()))
         self._capture_report = self._graphs.capture(self.graph_keys(), prepare, run, self._addresses)
         logger.info("fullgraph: %s", self._capture_report)
+        self._finish_warmup()
         return self._capture_report
 
     def _addresses(self) -> dict[str, int]:
@@ -202,7 +231,10 @@ class FullGraphRunner:
                 "graph_hits": dict(s["graph_hits"]), "eager_fallbacks": dict(s["eager_fallbacks"]),
                 "graphs": report.num_graphs if report else 0,
                 "capture_seconds": report.seconds if report else 0.0,
-                "graph_bytes": report.graph_bytes if report else 0}
+                "graph_bytes": report.graph_bytes if report else 0,
+                "compiled_graphs": self._compiled.stats.graphs if self._compiled else 0,
+                "compile_seconds": self._compiled.stats.seconds if self._compiled else 0.0,
+                "recompiles_after_warmup": self._compiled.stats.recompiles_after_warmup if self._compiled else 0}
 
     def stats_line(self) -> str:
         s = self.stats()

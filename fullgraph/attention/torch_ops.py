@@ -81,7 +81,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & key_ok[:, None, :]           # (R, Qm, L)
     if keep is not None:
         mask = mask.unsqueeze(1) & keep(q_pos[:, :, None], key_pos[None, None, :])     # (R, H, Qm, L)
-    mask = mask | (key_pos == 0)  # never an empty row: key 0 is zeroed when it is not real
+    # Never an empty row (softmax of nothing is NaN): a row with no key (a padded request) gets
+    # key 0, which is zeroed when it is not real. Rows with keys keep exactly their mask.
+    mask = mask | ((key_pos == 0) & ~mask.any(-1, keepdim=True))
 
     # GQA without copying K/V: fold the query heads of a KV group into the query axis.
     qf = grouped.view(num_reqs, q_max, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
