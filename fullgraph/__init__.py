@@ -12,7 +12,8 @@ from .graphs import CaptureReport
 from .padding import PaddingPolicy
 from .plan import SeqChunk, StepPlan, plan_step
 from .runner import FullGraphRunner, StepOutput
+from . import debug  # noqa: E402  (needs the runner)
 
 __all__ = ["FullGraphRunner", "RunnerConfig", "SeqChunk", "StepPlan", "StepOutput", "CaptureReport",
-           "PaddingPolicy", "plan_step", "padding", "models", "attention"]
+           "PaddingPolicy", "plan_step", "padding", "models", "attention", "debug"]
 __version__ = "0.1.0"

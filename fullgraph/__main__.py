@@ -40,6 +40,36 @@ def demo(args: argparse.Namespace) -> int:
     return 0 if match else 1
 
 
+def doctor(args: argparse.Namespace) -> int:
+    """The same mixed step (decode, chunked prefill with context, a new prompt) in every mode."""
+    from . import SeqChunk
+    from .debug import compare
+
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    builders = {"toy": lambda: models.Llama(models.LlamaConfig.toy(), dtype=dtype, device=device),
+                "phi3-toy": lambda: models.Phi3Small(models.Phi3SmallConfig.toy(), dtype=dtype, device=device),
+                "llama-1b": lambda: models.Llama(models.LlamaConfig.llama_1b(), dtype=dtype, device=device)}
+    model = builders[args.preset]()
+    runner = FullGraphRunner(model, max_num_seqs=8, max_num_tokens=128, max_model_len=512, cudagraph="none",
+                             attention=args.attention)
+    gen = torch.Generator().manual_seed(0)
+
+    def tokens(n):
+        return torch.randint(0, model.vocab_size - 100, (n,), generator=gen).tolist()
+    blocks = [runner.blocks.allocate(8) for _ in range(4)]
+    runner.step([SeqChunk(tokens(37), 0, blocks[0]), SeqChunk(tokens(5), 0, blocks[1]),
+                 SeqChunk(tokens(70), 0, blocks[2])])
+    step = [SeqChunk(tokens(1), 37, blocks[0]), SeqChunk(tokens(1), 5, blocks[1]),
+            SeqChunk(tokens(20), 70, blocks[2]), SeqChunk(tokens(9), 0, blocks[3])]
+    print(f"doctor: {args.preset} on {device} ({dtype}), attention={runner.config.attention}: one mixed step "
+          "(2 decodes, a chunk with 70 cached tokens, a new 9-token prompt) in each mode")
+    report = compare(runner, step, modes=args.modes)
+    print(report)
+    return 0 if report.clean else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fullgraph")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -49,9 +79,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attention", default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bf16", action="store_true", help="bf16 weights on GPU (default float32)")
+    d = sub.add_parser("doctor", help="find where eager / padded / graph / compiled outputs diverge")
+    d.add_argument("--preset", default="toy", choices=["toy", "phi3-toy", "llama-1b"])
+    d.add_argument("--attention", default="auto")
+    d.add_argument("--modes", nargs="+", default=["none", "padded", "full", "compile"])
+    d.add_argument("--bf16", action="store_true")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    return {"demo": demo}[args.command](args)
+    logging.basicConfig(level=logging.WARNING if args.command == "doctor" else logging.INFO, format="%(message)s")
+    return {"demo": demo, "doctor": doctor}[args.command](args)
 
 
 if __name__ == "__main__":

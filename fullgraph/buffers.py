@@ -94,6 +94,14 @@ class StaticBuffers:
             query_start_loc=b["query_start_loc"][: num_reqs + 1], seq_start_loc=b["seq_start_loc"][: num_reqs + 1],
             seq_lens=b["seq_lens"][:num_reqs], block_table=b["block_table"][:num_reqs], logits=self.logits[:num_reqs])
 
+    def poison(self, num_tokens: int, num_reqs: int, garbage: int) -> None:
+        """Strict mode: garbage past the bucket (T tokens, R requests) and NaN logits, so a kernel
+        reading past its bucket or a real row left unwritten shows. Call after ``copy_in``."""
+        for name, buf in self.tensors.items():
+            start = num_tokens if name in ("input_ids", "positions", "slot_mapping") else num_reqs
+            buf[start + (name in ("query_start_loc", "seq_start_loc")):] = garbage
+        self.logits.fill_(float("nan"))
+
     def addresses(self) -> dict[str, int]:
         """Data pointers of every buffer (for the capture-time address guard)."""
         out = {name: t.data_ptr() for name, t in self.tensors.items()}

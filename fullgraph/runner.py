@@ -19,6 +19,7 @@ from .graphs import CaptureReport, GraphKey, GraphSet
 from .kv_cache import BlockAllocator, KVCacheSpec, allocate_kv_caches
 from .models.base import check_model
 from .plan import SeqChunk, StepPlan, capture_plan, plan_step
+from .strict import StrictChecker
 
 logger = logging.getLogger("fullgraph")
 
@@ -72,6 +73,7 @@ class FullGraphRunner:
         self._capture_report: CaptureReport | None = None
         self._compiled = CompiledStep(self._model_forward, strict=self.config.validate) if self.config.compile else None
         self._forward = self._compiled or self._model_forward
+        self._strict = StrictChecker(self.buffers, self.kv_caches, config.block_size) if config.validate else None
         self._warm = False
         self._stats = {"steps": 0, "tokens": 0, "padded_tokens": 0, "graph_hits": Counter(),
                        "eager_fallbacks": Counter()}
@@ -102,13 +104,18 @@ class FullGraphRunner:
         key = plan.key
         graph = self.config.cudagraph == "full" and self._graph_for(key, plan)
         self.buffers.copy_in(plan)
-        if graph:
-            if self.config.validate:
+        if self._strict is not None:
+            if graph:
                 self._graphs.check_addresses(self._addresses())
+            self._strict.before(plan)
+        if graph:
             self._graphs.replay(key)
         else:
             self._run_static(key, plan.num_reqs_padded)
-        return self.buffers.logits[: plan.num_reqs].clone()
+        logits = self.buffers.logits[: plan.num_reqs].clone()
+        if self._strict is not None:
+            self._strict.after(plan, logits)
+        return logits
 
     def _graph_for(self, key: GraphKey, plan: StepPlan) -> bool:
         if self._capture_report is None:

@@ -65,9 +65,11 @@ class Request:
 
 
 class Twin:
-    def __init__(self, mode: Mode, **overrides) -> None:
+    def __init__(self, mode: Mode, validate: bool = True, **overrides) -> None:
+        """``validate``: the runner under test runs in strict mode (poisoned tails, null block and
+        output; invariant, address and KV-write checks on every step)."""
         self.ref = make_runner(mode, cudagraph="none", **overrides)
-        self.test = make_runner(mode, **overrides)
+        self.test = make_runner(mode, validate=validate, **overrides)
         self.rng = np.random.default_rng(0)
 
     def new_request(self, max_len: int) -> Request:

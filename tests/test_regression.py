@@ -81,7 +81,7 @@ def test_s04_poisoned_buffers_do_not_reach_real_logits(mode):
 
 def test_s05_kv_canary_only_real_slots_change(mode):
     prompts_only(mode)
-    twin = Twin(mode)
+    twin = Twin(mode, validate=False)  # strict mode resets the null block; this test checks it stays
     runner = twin.test
     for cache in runner.kv_caches:  # random bytes everywhere: any stray write shows
         cache.copy_(torch.randn_like(cache))

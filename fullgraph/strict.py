@@ -1,0 +1,58 @@
+"""Strict mode (``validate=True``): prove each padded step touched only what it owns.
+
+Before the step: every static buffer past the step's bucket is filled with garbage, the logits
+buffer and the null block with NaN, and the KV cache is snapshotted. After: no NaN in a real
+logits row, and the only KV slots whose bytes changed are the real tokens' slots (the null
+block included). A violation raises ``StrictModeError`` naming the layer, slot and field.
+Costs a copy of the whole KV cache per step: for tests and debugging, not serving.
+"""
+from __future__ import annotations
+
+import torch
+
+from .plan import StepPlan
+
+GARBAGE = -(2**30)  # far outside every index range: a kernel reading past its bucket would fault or diverge
+
+
+class StrictModeError(RuntimeError):
+    """A step wrote or produced something it must not have."""
+
+
+class StrictChecker:
+    def __init__(self, buffers, kv_caches: list[torch.Tensor], block_size: int) -> None:
+        self.buffers, self.kv_caches, self.block_size = buffers, kv_caches, block_size
+        self._snapshot: list[torch.Tensor] = []
+
+    def before(self, plan: StepPlan) -> None:
+        """Poison (called after ``copy_in`` wrote the live prefix and padded tail)."""
+        self.buffers.poison(plan.num_tokens_padded, plan.num_reqs_padded, GARBAGE)
+        for cache in self.kv_caches:
+            cache[:, 0] = float("nan")  # the null block: padded rows may read it, real rows never
+        self._snapshot = [c.detach().clone() for c in self.kv_caches]
+
+    def after(self, plan: StepPlan, logits: torch.Tensor) -> None:
+        bad = ~torch.isfinite(logits[: plan.num_reqs]).all(-1)
+        if bad.any():
+            raise StrictModeError(f"non-finite logits in real row {int(bad.nonzero()[0])} "
+                                  "(poison from a padded buffer tail, the null block or stale output)")
+        real = torch.from_numpy(plan.slot_mapping[: plan.num_tokens]).to(logits.device)
+        for layer, (old, new) in enumerate(zip(self._snapshot, self.kv_caches)):
+            slots = old.shape[1] * old.shape[2]
+            # bytes, so a NaN written over a NaN still counts as unchanged
+            changed = (_bytes(old) != _bytes(new)).view(2, slots, -1).any(-1).any(0)     # (slots,)
+            changed[real] = False
+            if changed.any():
+                slot = int(changed.nonzero()[0])
+                raise StrictModeError(
+                    f"layer {layer}: KV slot {slot} (block {slot // self.block_size}, offset "
+                    f"{slot % self.block_size}) changed but belongs to no real token of this step "
+                    "(a KV write ignored slot_mapping = -1?)")
+        for cache in self.kv_caches:
+            cache[:, 0] = 0  # the null block is zero-filled between steps
+        self._snapshot = []
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
