@@ -91,35 +91,46 @@ def bench_decode(args) -> list[dict]:
     bandwidth = copy_bandwidth(device)
     w_bytes = weight_bytes_read(model)
     rows = []
-    for batch in args.batch:
-        for mode in args.modes:
-            if mode == "full" and device.type != "cuda":
-                continue
-            max_len = -(-(args.context + args.steps + args.warmup + 1) // 256) * 256
-            runner = FullGraphRunner(model, max_num_seqs=max(batch, 1), max_num_tokens=max(batch, 16),
-                                     max_model_len=max_len, cudagraph=mode, attention=args.attention,
-                                     capture_sizes=(batch,), compile=args.compile)
-            kv_read = batch * args.context * sum(
-                2 * c.shape[3] * c.shape[4] * c.element_size() for c in runner.kv_caches)
-            floor = (w_bytes + kv_read) / bandwidth * 1e3 if bandwidth == bandwidth else float("nan")
-            t = time_decode(runner, batch, args.context, args.steps, args.warmup)
-            rows.append({"preset": args.preset, "batch": batch, "context": args.context, "mode": mode,
-                         "attention": runner.config.attention, "compile": args.compile, "dtype": args.dtype,
-                         "step_ms": statistics.median(t) * 1e3, "p10_ms": np.percentile(t, 10) * 1e3,
-                         "p90_ms": np.percentile(t, 90) * 1e3, "floor_ms": floor,
-                         "weight_bytes": w_bytes, "kv_bytes": kv_read, "copy_TBps": bandwidth / 1e12})
-            print(f"  {args.preset} batch {batch} {mode}: {rows[-1]['step_ms']:.3f} ms", flush=True)
-            del runner
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-    _table(rows, ["preset", "batch", "context", "mode", "attention", "step_ms", "p10_ms", "p90_ms", "floor_ms"])
-    eager = {r["batch"]: r["step_ms"] for r in rows if r["mode"] == "none"}
+    for context in args.context:
+        for batch in args.batch:
+            for mode in args.modes:
+                if mode == "full" and device.type != "cuda":
+                    continue
+                rows.append(_decode_row(args, model, device, w_bytes, bandwidth, context, batch, mode))
+                print(f"  {args.preset} context {context} batch {batch} {mode}: {rows[-1]['step_ms']:.3f} ms", flush=True)
+    _table(rows, ["preset", "batch", "context", "mode", "attention", "step_ms", "p10_ms", "p90_ms", "floor_ms",
+                  "compile_s"])
+    eager = {(r["context"], r["batch"]): r["step_ms"] for r in rows if r["mode"] == "none"}
     for r in rows:
-        if r["mode"] == "full" and r["batch"] in eager:
-            print(f"batch {r['batch']}: full is {eager[r['batch']] / r['step_ms']:.2f}x faster than eager, "
+        if r["mode"] == "full":
+            speedup = f"{eager[r['context'], r['batch']] / r['step_ms']:.2f}x faster than eager, " \
+                if (r["context"], r["batch"]) in eager else ""
+            print(f"context {r['context']} batch {r['batch']}: full is {speedup}"
                   f"{r['step_ms'] / r['floor_ms']:.2f}x the bandwidth floor")
     return rows
+
+
+def _decode_row(args, model, device, w_bytes, bandwidth, context, batch, mode) -> dict:
+    max_len = -(-(context + args.steps + args.warmup + 1) // 256) * 256
+    runner = FullGraphRunner(model, max_num_seqs=max(batch, 1), max_num_tokens=max(batch, 16),
+                             max_model_len=max_len, cudagraph=mode, attention=args.attention,
+                             capture_sizes=(batch,), compile=args.compile)
+    runner.warmup()
+    kv_read = batch * context * sum(2 * c.shape[3] * c.shape[4] * c.element_size() for c in runner.kv_caches)
+    floor = (w_bytes + kv_read) / bandwidth * 1e3 if bandwidth == bandwidth else float("nan")
+    t = time_decode(runner, batch, context, args.steps, args.warmup)
+    stats = runner.stats()
+    row = {"preset": args.preset, "batch": batch, "context": context, "mode": mode,
+           "attention": runner.config.attention, "compile": args.compile, "dtype": args.dtype,
+           "step_ms": statistics.median(t) * 1e3, "p10_ms": np.percentile(t, 10) * 1e3,
+           "p90_ms": np.percentile(t, 90) * 1e3, "floor_ms": floor, "weight_bytes": w_bytes,
+           "kv_bytes": kv_read, "copy_TBps": bandwidth / 1e12, "compile_s": stats["compile_seconds"],
+           "capture_s": stats["capture_seconds"]}
+    del runner
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
 
 
 def bench_capture(args) -> list[dict]:
@@ -169,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     d = sub.add_parser("decode", help="decode-step latency per mode, against the bandwidth floor")
     d.add_argument("--preset", default="toy", choices=sorted(_presets()))
     d.add_argument("--batch", type=int, nargs="+", default=[1, 32])
-    d.add_argument("--context", type=int, default=1024)
+    d.add_argument("--context", type=int, nargs="+", default=[1024])
     d.add_argument("--modes", nargs="+", default=["none", "padded", "full"])
     d.add_argument("--attention", default="auto")
     d.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])

@@ -171,10 +171,10 @@ class FullGraphRunner:
             for key in sorted(self.graph_keys(), reverse=True):
                 self.buffers.copy_in(capture_plan(cfg, self.policy, cfg.num_blocks, *key))
                 self._run_static(key, min(key[0], cfg.max_num_seqs))
-        else:  # unpadded: one request / several requests, decode / mixed
+        else:  # unpadded: one request / several requests, decode / mixed (sizes 1 specialise)
             for tokens, reqs, decode in ((3, 2, False), (2, 1, False), (2, 2, True), (1, 1, True)):
-                reqs = min(reqs, cfg.max_num_seqs)
-                self._run_unpadded(capture_plan(cfg, self.policy, cfg.num_blocks, tokens, decode, num_reqs=reqs))
+                if reqs <= cfg.max_num_seqs and tokens <= cfg.max_num_tokens:
+                    self._run_unpadded(capture_plan(cfg, self.policy, cfg.num_blocks, tokens, decode, num_reqs=reqs))
         self._finish_warmup()
 
     def _finish_warmup(self) -> None:

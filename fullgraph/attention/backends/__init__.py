@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 
 from .base import AttentionBackend, BackendLimits, available_backends, get_backend_class, register_backend
-from . import blocksparse, sdpa  # noqa: F401  (registers the backends)
+from . import blocksparse, flash, sdpa, triton  # noqa: F401  (registers the backends)
 
 logger = logging.getLogger("fullgraph")
 
@@ -19,9 +19,11 @@ def _pick_dense(name: str, layers, limits: BackendLimits) -> str:
         if reason:
             raise ValueError(f"attention backend {name!r} cannot serve this model here: {reason}")
         return name
+    if limits.device.type != "cuda":
+        return "sdpa"  # the kernels only run interpreted off CUDA: correct, but not fast
     reasons = {}
     for candidate in DENSE_PREFERENCE:
-        if candidate not in available_backends():
+        if candidate not in available_backends() or not get_backend_class(candidate).supports_context():
             continue
         reasons[candidate] = get_backend_class(candidate).unsupported_reason(limits.device, limits.dtype, layers)
         if reasons[candidate] is None:

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# One GPU session in few calls: `bash benchmarks/gpu_suite.sh PART...` with PART in
+#   env tests kernels core phi3 capture compile
+# Logs and JSON land in $OUT (or ./out); each part has its own time limit so a call stays bounded.
+set -uo pipefail
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET
+
+run() {  # run NAME LIMIT_S CMD...: tee to $OUT/NAME.log, report status and seconds
+    local name=$1 limit=$2; shift 2
+    local start=$(date +%s)
+    timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+    local rc=${PIPESTATUS[0]}
+    echo "== $name: rc=$rc in $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.txt"
+}
+
+for part in "$@"; do
+case $part in
+env)
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/env.txt"
+    python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/env.txt"
+    ;;
+tests)
+    run gpu_tests 420 python3 -m pytest -m gpu -q -x -p no:cacheprovider --durations=15 tests
+    ;;
+tests-all)
+    run gpu_tests 420 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=15 tests
+    ;;
+kernels)
+    run bench_attention 200 python3 benchmarks/bench_attention.py --out "$OUT/bench_attention.json"
+    run bench_blocksparse 200 python3 benchmarks/bench_blocksparse.py --out "$OUT/bench_blocksparse.json"
+    ;;
+core)
+    run decode_toy 60 python3 -m fullgraph.bench decode --preset toy --batch 1 32 --context 1024 --out "$OUT/decode_toy.json"
+    for attn in sdpa triton; do
+        run "decode_llama1b_$attn" 150 python3 -m fullgraph.bench decode --preset llama-1b --batch 1 32 --context 1024 \
+            --attention "$attn" --out "$OUT/decode_llama1b_$attn.json"
+    done
+    run plan 60 python3 -m fullgraph.bench plan --out "$OUT/plan.json"
+    ;;
+capture)
+    run capture_llama1b 150 python3 -m fullgraph.bench capture --preset llama-1b --out "$OUT/capture_llama1b.json"
+    run capture_phi3 200 python3 -m fullgraph.bench capture --preset phi3-small-8k --out "$OUT/capture_phi3.json"
+    ;;
+phi3)
+    run decode_phi3_dense 150 python3 -m fullgraph.bench decode --preset phi3-small-8k-dense --batch 1 --context 2048 \
+        --modes none full --out "$OUT/decode_phi3_dense.json"
+    for ctx in 2048 8000; do
+        run "decode_phi3_$ctx" 150 python3 -m fullgraph.bench decode --preset phi3-small-8k --batch 1 16 --context "$ctx" \
+            --modes none full --out "$OUT/decode_phi3_$ctx.json"
+    done
+    run decode_phi3_128k 200 python3 -m fullgraph.bench decode --preset phi3-small-128k --batch 1 --context 32768 131000 \
+        --modes full --out "$OUT/decode_phi3_128k.json"
+    ;;
+compile)
+    run decode_llama1b_compile 300 python3 -m fullgraph.bench decode --preset llama-1b --batch 1 --context 1024 \
+        --modes full --compile --out "$OUT/decode_llama1b_compile.json"
+    run decode_phi3_compile 300 python3 -m fullgraph.bench decode --preset phi3-small-8k --batch 1 --context 2048 \
+        --modes full --compile --out "$OUT/decode_phi3_compile.json"
+    ;;
+*) echo "unknown part $part"; exit 2 ;;
+esac
+done
+cat "$OUT/summary.txt" 2>/dev/null

@@ -1,0 +1,13 @@
+"""Triton kernels, one per file, each with a thin capture-safe launcher registered as a torch op.
+
+Kernels know tensors and sizes only (no runner, model or policy imports).
+"""
+from __future__ import annotations
+
+from .kv_write import kv_write, write_kv
+from .paged_attention import (KernelConfig, default_config, num_kv_splits, paged_attention,
+                              split_workspace_rows)
+from .split_kv_reduce import split_kv_reduce
+
+__all__ = ["KernelConfig", "default_config", "kv_write", "num_kv_splits", "paged_attention",
+           "split_kv_reduce", "split_workspace_rows", "write_kv"]

@@ -1,0 +1,324 @@
+"""Paged attention over one step's varlen batch: prefill, chunked prefill, decode and mixed.
+
+Algorithm: FlashAttention-2 forward (online softmax in base 2) over a paged KV cache, GQA-packed.
+
+* A program owns one *query tile* of one KV head: BLOCK_Q consecutive new tokens of one request
+  times the GROUP = H // KVH query heads sharing that KV head, packed as rows
+  ``m -> (token m // GROUP, head m % GROUP)`` of a BLOCK_M-row score tile. Each K/V tile it loads
+  serves all GROUP heads (GROUP times less KV traffic than one program per query head).
+* The grid comes from static sizes only: ``(T // BLOCK_Q + R + 1) * KVH`` programs for a mixed
+  step, ``R * KVH`` for a decode step (BLOCK_Q = 1, token i is request i), times NUM_SPLITS.
+  A program finds its request by binary-searching ``tile_start[r] = query_start_loc[r] // BLOCK_Q
+  + r`` on the device. That sequence is strictly increasing only while ``query_start_loc`` is
+  non-decreasing: a padded tail of -1 sends programs to the wrong request. Index R is the padding
+  pseudo-request (tokens ``query_start_loc[R] .. T-1``, no keys): its programs write zeros.
+* Query token j of request r sits at position ``seq_lens[r] - q_len[r] + j`` and attends to the
+  keys at positions ``<= `` its own, all read from the cache: position p lives in page
+  ``block_table[r, p // PAGE_SIZE]`` at slot ``p % PAGE_SIZE``. Key tiles that every row of the
+  program sees run unmasked; the rest (the causal diagonal, the sequence end) load K and V with
+  ``other=0`` and set scores with ``where(mask, s, -inf)``, so stale or NaN cache memory (the null
+  block, pages past seq_len) never reaches an output row.
+* Split-KV (decode only): split s of a request covers key tiles ``[s*per, (s+1)*per)``,
+  ``per = cdiv(cdiv(seq_len, BLOCK_N), NUM_SPLITS)``, and writes its normalised partial output and
+  log2-sum-exp (float32) to caller-owned workspaces; ``split_kv_reduce`` merges them. NUM_SPLITS
+  is chosen by :func:`num_kv_splits` from static sizes only, never from ``seq_lens`` values.
+
+Layout contract (T tokens, R requests, padded sizes; the launcher checks shapes):
+    q:               (T, H, D) fp16/bf16/fp32, ``stride(-1) == 1``; output (T, H, D), q's dtype
+    kv_cache:        (2, num_blocks, PAGE_SIZE, KVH, D), q's dtype, ``stride(-1) == 1``
+    query_start_loc: (R + 1,) int32, non-decreasing, ``[R] <= T``; seq_lens: (R,) int32
+    block_table:     (R, MB) int32; part_out / part_lse: flat float32 workspaces of at least
+                     ``R * NUM_SPLITS * H * next_pow2(D)`` / ``R * NUM_SPLITS * H`` elements.
+Every output row is written: tokens of no request (padding) get zeros.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .split_kv_reduce import split_kv_reduce
+
+# Read once, at import: the interpreter runs every program in Python, so it gets small tiles.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+LOG2E = 1.4426950408889634
+MAX_SPLITS = 64
+MIN_SPLIT_TOKENS = 256  # never split a sequence into pieces shorter than this (at max_model_len)
+SPLIT_PROGRAMS_PER_SM = 4  # split decode until about this many programs per SM are in flight
+_NEG_BIG = tl.constexpr(-1.0e30)  # finite running-max start: exp2(-inf - _NEG_BIG) = 0, never inf - inf
+
+
+@triton.jit
+def _find_request(query_start_loc_ptr, tile, num_reqs, BLOCK_Q: tl.constexpr):
+    """Largest r in [0, num_reqs] with query_start_loc[r] // BLOCK_Q + r <= tile."""
+    lo = tile * 0            # int32 tensors from the start (num_reqs == 1 arrives as a constant)
+    hi = lo + num_reqs + 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _load(ptrs, mask, NO_MASK: tl.constexpr):
+    if NO_MASK:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _attend(acc, l_i, m_i, q, kv_ptr, table_ptr, start, seq_len, pos, qk_scale,
+            stride_kv, stride_kb, stride_ks,
+            MASKED: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+            HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One key tile [start, start + BLOCK_N) of the online softmax. MASKED tiles may hold keys
+    past seq_len or past some row's position; unmasked ones hold only keys every row sees."""
+    n = start + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = d < HEAD_DIM
+    n_ok = n < seq_len
+    if MASKED:
+        page = tl.load(table_ptr + n // PAGE_SIZE, mask=n_ok, other=0)
+    else:
+        page = tl.load(table_ptr + n // PAGE_SIZE)
+    off = page.to(tl.int64) * stride_kb + (n % PAGE_SIZE) * stride_ks       # (BLOCK_N,)
+    k_ptrs = kv_ptr + off[None, :] + d[:, None]                             # (D_PAD, BLOCK_N)
+    v_ptrs = kv_ptr + stride_kv + off[:, None] + d[None, :]                 # (BLOCK_N, D_PAD)
+    if MASKED:
+        k = tl.load(k_ptrs, mask=d_ok[:, None] & n_ok[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    else:
+        k = _load(k_ptrs, d_ok[:, None], HEAD_DIM == HEAD_DIM_PAD)
+        v = _load(v_ptrs, d_ok[None, :], HEAD_DIM == HEAD_DIM_PAD)
+    s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale             # (BLOCK_M, BLOCK_N)
+    if MASKED:
+        s = tl.where((n[None, :] <= pos[:, None]) & n_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _paged_attention_kernel(
+        # pointers
+        out_ptr, q_ptr, kv_ptr, query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
+        part_out_ptr, part_lse_ptr,
+        # sizes
+        num_tokens, num_reqs, num_tiles, num_kv_heads, max_kv_len, qk_scale,
+        # strides (elements)
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_kv, stride_kb, stride_ks, stride_kh, stride_bt,
+        # meta
+        GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, DECODE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
+    kv_head = pid % num_kv_heads
+    tile = num_tiles - 1 - pid // num_kv_heads   # last (longest) query tiles launch first
+    split = tl.program_id(1)
+
+    if DECODE:  # R == T: program `tile` is request `tile` and token `tile`
+        req = tile
+        q_len = tl.load(query_start_loc_ptr + req + 1) - tl.load(query_start_loc_ptr + req)
+        seq_len = tl.where(q_len > 0, tl.load(seq_lens_ptr + req), 0)
+        q_end = req + 1
+        q0 = req
+        pos0 = seq_len - 1
+    else:
+        req = _find_request(query_start_loc_ptr, tile, num_reqs, BLOCK_Q)
+        real = req < num_reqs                    # req == num_reqs: the padding pseudo-request
+        q_start = tl.load(query_start_loc_ptr + req)
+        q_end = tl.load(query_start_loc_ptr + req + 1, mask=real, other=num_tokens)
+        seq_len = tl.load(seq_lens_ptr + req, mask=real, other=0)
+        q0 = q_start + (tile - q_start // BLOCK_Q - req) * BLOCK_Q
+        if q0 >= q_end:
+            return
+        pos0 = seq_len - q_end + q0              # position of the tile's first token
+
+    # Rows of the tile: (token, query head) pairs of this KV head's group.
+    m = tl.arange(0, BLOCK_M)
+    d = tl.arange(0, HEAD_DIM_PAD)
+    tok = q0 + m // GROUP
+    head = kv_head * GROUP + m % GROUP
+    row_ok = (m < BLOCK_Q * GROUP) & (tok < q_end) & (tok >= 0) & (tok < num_tokens)
+    pos = pos0 + m // GROUP
+    q = tl.load(q_ptr + tok.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+
+    # Keys [lo, hi): hi = last row position + 1; [lo, mid) is visible to every row (no mask).
+    seq_len = tl.minimum(seq_len, max_kv_len)
+    hi = tl.maximum(tl.minimum(pos0 + tl.minimum(BLOCK_Q, q_end - q0), seq_len), 0)
+    full = (tl.maximum(tl.minimum(pos0 + 1, hi), 0) // BLOCK_N) * BLOCK_N
+    lo = 0
+    if NUM_SPLITS > 1:
+        per = tl.cdiv(tl.cdiv(hi, BLOCK_N), NUM_SPLITS) * BLOCK_N
+        lo = split * per
+        hi = tl.minimum(hi, lo + per)
+    mid = tl.minimum(tl.maximum(full, lo), hi)
+
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)
+    kv_ptr += kv_head * stride_kh
+    table_ptr = block_table_ptr + req.to(tl.int64) * stride_bt
+    for start in range(lo, mid, BLOCK_N):
+        acc, l_i, m_i = _attend(acc, l_i, m_i, q, kv_ptr, table_ptr, start, seq_len, pos, qk_scale,
+                                stride_kv, stride_kb, stride_ks, False, BLOCK_N, HEAD_DIM,
+                                HEAD_DIM_PAD, PAGE_SIZE, DOT_PRECISION)
+    for start in range(mid, hi, BLOCK_N):
+        acc, l_i, m_i = _attend(acc, l_i, m_i, q, kv_ptr, table_ptr, start, seq_len, pos, qk_scale,
+                                stride_kv, stride_kb, stride_ks, True, BLOCK_N, HEAD_DIM,
+                                HEAD_DIM_PAD, PAGE_SIZE, DOT_PRECISION)
+
+    # Rows with no key (padding, empty split) have l_i == 0: output 0, log-sum-exp -inf.
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if NUM_SPLITS == 1:
+        o_ptrs = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (d < HEAD_DIM)[None, :])
+    else:
+        prow = ((req * NUM_SPLITS + split) * (num_kv_heads * GROUP) + head).to(tl.int64)
+        tl.store(part_out_ptr + prow[:, None] * HEAD_DIM_PAD + d[None, :], out, mask=row_ok[:, None])
+        lse = tl.where(l_i > 0, m_i + tl.math.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + prow, lse, mask=row_ok)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch configuration: fixed per (head_dim, dtype, step kind), never autotuned (capture)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def default_config(head_dim: int, dtype: torch.dtype, decode: bool) -> KernelConfig:
+    """Hopper-oriented tiles for fp16/bf16; small ones for fp32 and for the interpreter."""
+    if INTERPRET:
+        return KernelConfig(16 if decode else 32, 32, 1, 1)
+    if dtype == torch.float32:  # correctness runs only (no tensor-core speed to chase)
+        return KernelConfig(16 if decode else 32, 32, 4, 2)
+    if decode:  # memory-bound: one query token x GROUP heads, deep K/V pipeline
+        return KernelConfig(16, 64 if head_dim <= 128 else 32, 4, 3 if head_dim <= 128 else 2)
+    if head_dim <= 64:
+        return KernelConfig(128, 64, 4, 3)
+    if head_dim <= 128:
+        return KernelConfig(128, 64, 8, 3)
+    return KernelConfig(64, 64, 8, 2)
+
+
+def _cdiv(a: int, b: int) -> int:  # plain Python: torch.compile traces the launchers
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def num_kv_splits(num_reqs: int, num_kv_heads: int, max_model_len: int, num_sms: int) -> int:
+    """Splits per sequence of a decode step, enough for ``SPLIT_PROGRAMS_PER_SM`` programs per SM.
+
+    Static inputs only (R is the padded request count, never a ``seq_lens`` value), so a graph
+    replays the split count it was captured with, whatever the lengths of the replayed step."""
+    programs = num_reqs * num_kv_heads
+    by_len = max(1, max_model_len // MIN_SPLIT_TOKENS)
+    return max(1, min(_cdiv(SPLIT_PROGRAMS_PER_SM * num_sms, programs), by_len, MAX_SPLITS))
+
+
+def split_workspace_rows(max_num_seqs: int, num_kv_heads: int, max_model_len: int, num_sms: int) -> int:
+    """Largest R * NUM_SPLITS over R <= max_num_seqs: the rows a persistent workspace needs."""
+    return max(r * num_kv_splits(r, num_kv_heads, max_model_len, num_sms) for r in range(1, max_num_seqs + 1))
+
+
+@torch.library.custom_op("fullgraph::paged_attention", mutates_args=("part_out", "part_lse"))
+def _paged_attention_op(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
+                        seq_lens: torch.Tensor, block_table: torch.Tensor, part_out: torch.Tensor,
+                        part_lse: torch.Tensor, scale: float, decode_only: bool, num_splits: int,
+                        block_m: int, block_n: int, num_warps: int, num_stages: int) -> torch.Tensor:
+    num_tokens, num_heads, head_dim = q.shape
+    _, _, page_size, num_kv_heads, _ = kv_cache.shape
+    num_reqs, max_blocks = block_table.shape
+    group = num_heads // num_kv_heads
+    head_dim_pad = triton.next_power_of_2(head_dim)
+    block_m = max(block_m, triton.next_power_of_2(group))
+    block_q = 1 if decode_only else block_m // group
+    num_tiles = num_reqs if decode_only else num_tokens // block_q + num_reqs + 1
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    out = q.new_empty(q.shape)                                   # (T, H, D)
+    _paged_attention_kernel[(num_tiles * num_kv_heads, num_splits)](
+        out, q, kv_cache, query_start_loc, seq_lens, block_table, part_out, part_lse,
+        num_tokens, num_reqs, num_tiles, num_kv_heads, max_blocks * page_size, scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
+        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=page_size, NUM_SPLITS=num_splits, DECODE=decode_only,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages)
+    if num_splits > 1:
+        split_kv_reduce(out=out, part_out=part_out, part_lse=part_lse, num_splits=num_splits)
+    return out
+
+
+@_paged_attention_op.register_fake
+def _(q, kv_cache, query_start_loc, seq_lens, block_table, part_out, part_lse, scale, decode_only,
+      num_splits, block_m, block_n, num_warps, num_stages):
+    return q.new_empty(q.shape)
+
+
+def _check(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+           block_table: torch.Tensor, decode_only: bool) -> None:
+    """Shape/dtype contract (static properties only: safe inside capture)."""
+    if q.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[-1] != q.shape[-1]:
+        raise ValueError(f"paged_attention: q must be (T, H, D) and kv_cache (2, NB, page, KVH, D); "
+                         f"got q {tuple(q.shape)}, kv_cache {tuple(kv_cache.shape)}")
+    if q.shape[1] % kv_cache.shape[3] or kv_cache.stride(-1) != 1 or kv_cache.dtype != q.dtype:
+        raise ValueError(f"paged_attention: {q.shape[1]} query heads over {kv_cache.shape[3]} KV heads, "
+                         f"kv_cache dtype {kv_cache.dtype} (q: {q.dtype}), stride {kv_cache.stride()}")
+    r = block_table.shape[0]
+    if query_start_loc.shape != (r + 1,) or seq_lens.shape != (r,) or block_table.dim() != 2:
+        raise ValueError(f"paged_attention: query_start_loc {tuple(query_start_loc.shape)}, seq_lens "
+                         f"{tuple(seq_lens.shape)}, block_table {tuple(block_table.shape)}: expected (R+1,), (R,), (R, MB)")
+    if any(t.dtype != torch.int32 for t in (query_start_loc, seq_lens, block_table)):
+        raise ValueError("paged_attention: query_start_loc, seq_lens and block_table must be int32, got "
+                         f"{query_start_loc.dtype}, {seq_lens.dtype}, {block_table.dtype}")
+    if decode_only and r != q.shape[0]:
+        raise ValueError(f"paged_attention: a decode step needs one token per request, got T={q.shape[0]}, R={r}")
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
+                    seq_lens: torch.Tensor, block_table: torch.Tensor, *, scale: float, decode_only: bool,
+                    num_splits: int = 1, part_out: torch.Tensor | None = None,
+                    part_lse: torch.Tensor | None = None, config: KernelConfig | None = None) -> torch.Tensor:
+    """Causal attention of the step's new tokens over their requests' paged KV (module docstring).
+
+    Capture-safe: the grid, tiles and split count depend on shapes and arguments only. ``num_splits
+    > 1`` (decode steps only) needs float32 workspaces ``part_out``/``part_lse`` (flat, see the
+    layout contract), allocated once by the caller. Returns (T, H, D) in q's dtype.
+    """
+    _check(q, kv_cache, query_start_loc, seq_lens, block_table, decode_only)
+    if num_splits < 1 or (num_splits > 1 and not decode_only):
+        raise ValueError(f"paged_attention: num_splits={num_splits}: must be 1, or >= 1 on decode steps")
+    num_tokens, num_heads, head_dim = q.shape
+    if num_splits > 1:
+        rows = block_table.shape[0] * num_splits * num_heads
+        need = (rows * _next_pow2(head_dim), rows)
+        have = tuple(-1 if t is None else t.numel() for t in (part_out, part_lse))
+        if have[0] < need[0] or have[1] < need[1] or part_out.dtype != torch.float32 or part_lse.dtype != torch.float32:
+            raise ValueError(f"paged_attention: {num_splits} splits need float32 workspaces of {need} "
+                             f"elements, got {have}")
+    else:
+        part_out = part_lse = q.new_empty(0, dtype=torch.float32)
+    cfg = config or default_config(head_dim, q.dtype, decode_only)
+    return torch.ops.fullgraph.paged_attention(
+        q, kv_cache, query_start_loc, seq_lens, block_table, part_out, part_lse, float(scale),
+        bool(decode_only), int(num_splits), cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages)
