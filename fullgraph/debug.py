@@ -88,6 +88,8 @@ def _run_mode(runner: FullGraphRunner, chunks: Sequence[SeqChunk], kv_source: li
 
     def hook(i):
         def copy_out(module, args, out):
+            if isinstance(out, tuple):  # (output, residual stream) of a fused-residual layer
+                out = out[0] + out[1]
             if buffers[i] is None:  # first (eager) call: before any capture
                 buffers[i] = out.new_full((runner.config.max_num_tokens, out.shape[-1]), float("nan"))
             buffers[i][: out.shape[0]].copy_(out)
@@ -111,7 +113,8 @@ def compare(target: FullGraphRunner | nn.Module, chunks: Sequence[SeqChunk], mod
 
     ``target``: a runner (its model, config and KV cache contents are used; it is not modified)
     or a model (a runner config is built from ``config_overrides``). The model must expose its
-    decoder layers as ``model.layers``.
+    decoder layers as ``model.layers``; a layer returns its hidden state, or ``(output, residual)``
+    whose sum is the hidden state.
     """
     if isinstance(target, FullGraphRunner):
         model, base, kv = target.model, target.config.replace(**config_overrides), target.kv_caches

@@ -91,10 +91,16 @@ def test_recompile_after_warmup_raises_in_strict_mode_and_logs_otherwise(twin, s
         runner.model.layers[0].self_attn.attn.scale /= 1.5
 
 
+SCENARIO_MODES = [pytest.param(COMPILED, id=COMPILED.id)] + [
+    pytest.param(Mode("full", b, compile=True), id=f"full-{b}-compile", marks=pytest.mark.gpu) for b in ("sdpa", "triton")]
+
+
+@pytest.mark.parametrize("mode", SCENARIO_MODES)
 @pytest.mark.parametrize("scenario", ["test_s04_poisoned_buffers_do_not_reach_real_logits",
+                                      "test_s07_same_bucket_different_contents",
                                       "test_s10_mixed_chunked_one_token_prefill_page_boundary",
                                       "test_s11_off_stride_sizes_and_fallback"])
-def test_regression_scenarios_compiled(scenario, caplog):
+def test_regression_scenarios_compiled(mode, scenario, caplog):
     fn = getattr(scenarios, scenario)
     kwargs = {"caplog": caplog} if "caplog" in fn.__code__.co_varnames else {}
-    fn(COMPILED, **kwargs)
+    fn(mode, **kwargs)

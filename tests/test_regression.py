@@ -15,8 +15,8 @@ import fullgraph as fg
 from harness import Mode, Twin, assert_logits_close, kv_bytes, make_runner
 
 CPU_MODES = [Mode("padded", "sdpa"), Mode("padded", "triton")]
-GPU_MODES = [Mode("full", "sdpa"), Mode("full", "triton"), Mode("full", "flash"),
-             Mode("full", "sdpa", compile=True), Mode("full", "triton", compile=True)]
+GPU_MODES = [Mode("full", "sdpa"), Mode("full", "triton"), Mode("full", "flash")]
+# Compiled modes run a subset of these scenarios in test_compile.py (each runner compiles anew).
 MODES = [pytest.param(m, id=m.id) for m in CPU_MODES] + \
         [pytest.param(m, id=m.id, marks=pytest.mark.gpu) for m in GPU_MODES]
 

@@ -112,3 +112,18 @@ def test_backend_refuses_a_layer_kind_it_does_not_serve():
     dense = fg.attention.Attention(2, 2, 8, 1.0)
     with pytest.raises(ValueError, match="'blocksparse' serves \\['blocksparse'\\] layers, not 'dense'"):
         fg.attention.backends.resolve_backends("blocksparse", [dense], limits)
+
+
+@pytest.mark.gpu
+def test_flash_without_paging_refuses_cached_context_before_writing():
+    flash = fg.attention.backends.get_backend_class("flash")
+    if flash.supports_context():
+        pytest.skip("this PyTorch pages FlashAttention: every step is served")
+    model = fg.models.Llama(fg.models.LlamaConfig.toy(), dtype=torch.bfloat16, device="cuda")
+    runner = fg.FullGraphRunner(model, max_num_seqs=4, max_num_tokens=64, max_model_len=128, attention="flash")
+    ids = runner.blocks.allocate(2)
+    runner.step([fg.SeqChunk([1, 2, 3], 0, ids)])
+    before = [c.clone() for c in runner.kv_caches]
+    with pytest.raises(ValueError, match="attention='triton'"):
+        runner.step([fg.SeqChunk([4], 3, ids)])
+    assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches))

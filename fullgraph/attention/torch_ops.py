@@ -60,8 +60,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     """Causal attention of packed new tokens over each request's paged sequence.
 
     q: (T, H, D); kv_cache: (2, NB, bs, KVH, D); query_start_loc: (R+1,); seq_lens: (R,);
-    block_table: (R, MB). Returns (T, H, D). ``keep`` adds a mask (e.g. block-sparse) on top of
-    causality. Keys past ``seq_lens`` are zeroed before use, so stale or poisoned cache memory
+    block_table: (R, MB). Returns (T, H, D); rows of padding tokens are zeros. ``keep`` adds a
+    mask (e.g. block-sparse) on top of causality. Keys past ``seq_lens`` are zeroed before use, so stale or poisoned cache memory
     cannot reach a real row; a padded request (seq_len 0) attends to one zeroed key and stays finite.
     """
     num_reqs, max_blocks = block_table.shape
@@ -97,5 +97,6 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     v = kv[1].transpose(1, 2)
     out = F.scaled_dot_product_attention(qf.to(k.dtype), k, v, attn_mask=mask, scale=scale)
     out = out.view(num_reqs, num_kv_heads, group, q_max, head_dim).permute(0, 3, 1, 2, 4)
-    out = out.reshape(num_reqs, q_max, num_heads, head_dim)
-    return out[req, col].to(q.dtype)                              # (T, H, D)
+    out = out.reshape(num_reqs, q_max, num_heads, head_dim)[req, col]                   # (T, H, D)
+    real = torch.arange(q.shape[0], device=q.device) < query_start_loc[-1]
+    return torch.where(real[:, None, None], out, out.new_zeros(())).to(q.dtype)  # padding rows: zeros

@@ -13,6 +13,10 @@ A model is a plain ``nn.Module`` with:
 - ``compute_logits(hidden) -> logits``: (N, hidden_size) -> (N, vocab_size) float32, including
   any final scaling or masking the model defines.
 
+Optional: ``layers``, an ``nn.ModuleList`` of decoder layers, each returning its hidden state
+(or ``(output, residual)`` whose sum is it): ``fullgraph.debug.compare`` hooks them to find the
+first layer where two modes diverge.
+
 The model never sees the runner, the planner or the static buffers.
 """
 from __future__ import annotations

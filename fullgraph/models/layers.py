@@ -1,4 +1,10 @@
-"""Layers shared by the models: norms, rotary embeddings, random initialisation."""
+"""Layers shared by the models: norms, rotary embeddings, activations, random initialisation.
+
+On CUDA the hot small ops run as single fused Triton launches (``fullgraph.kernels``): in a
+captured decode step each tiny kernel costs microseconds, and eager PyTorch needs about eight
+for a norm and twenty for RoPE. Under ``torch.compile`` and on the CPU the plain-PyTorch
+formulas run instead (Inductor fuses them itself; they are the reference).
+"""
 from __future__ import annotations
 
 import math
@@ -7,19 +13,36 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels
+
+
+def use_kernels(x: torch.Tensor) -> bool:
+    """Fused Triton kernels for this tensor: on CUDA, and not while torch.compile traces."""
+    return x.is_cuda and not torch.compiler.is_compiling()
+
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in float32, returned in the input dtype."""
+    """Root-mean-square norm computed in float32, returned in the input dtype.
+
+    ``forward(x)`` returns the norm; ``forward(x, residual)`` first adds the residual and returns
+    ``(norm(x + residual), x + residual)``, the fused form decoder layers use.
+    """
 
     def __init__(self, hidden_size: int, eps: float, **factory) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, **factory))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if use_kernels(x):
+            if residual is None:
+                return kernels.rms_norm(x, self.weight, self.eps)
+            return kernels.add_rms_norm(x, residual, self.weight, self.eps)
+        if residual is not None:
+            x = x + residual
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        y = self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return y if residual is None else (y, x)
 
 
 def rope_inv_freq(head_dim: int, base: float) -> torch.Tensor:
@@ -55,11 +78,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", (freqs.cos() * mscale).float().to(device), persistent=False)
         self.register_buffer("sin", (freqs.sin() * mscale).float().to(device), persistent=False)
 
-    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        # positions: (T,); each x: (T, heads, D)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: (T,); q: (T, H, D), k: (T, KVH, D)
+        if use_kernels(q):
+            return kernels.rope(q, k, positions, self.cos, self.sin)
         cos = self.cos[positions][:, None, :]                                # (T, 1, D/2)
         sin = self.sin[positions][:, None, :]
-        return tuple(_rotate(x, cos, sin) for x in xs)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -69,6 +94,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU on a fused [gate | up] projection: (T, 2I) -> (T, I)."""
+    if use_kernels(x):
+        return kernels.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 

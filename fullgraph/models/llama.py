@@ -114,9 +114,15 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, **factory)
         self.mlp = LlamaMLP(c, **factory)
 
-    def forward(self, x, positions, rope, kv_cache, metadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, metadata)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, rope, kv_cache, metadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(layer output, residual stream); the next norm adds them (fused add + RMSNorm)."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, rope, kv_cache, metadata)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class Llama(nn.Module):
@@ -153,10 +159,10 @@ class Llama(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 metadata: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)                                  # (T, hidden)
+        x, residual = self.embed_tokens(input_ids), None                  # (T, hidden)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rotary, kv_cache, metadata)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, self.rotary, kv_cache, metadata)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

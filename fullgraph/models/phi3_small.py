@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from ..attention import Attention, AttentionMetadata, BlockSparseConfig
-from .layers import RotaryEmbedding, init_random_, rope_inv_freq
+from .. import kernels
+from .layers import RotaryEmbedding, init_random_, rope_inv_freq, use_kernels
 from .loading import load_config, load_safetensors_dir
 
 # <|dummy_id_k|>, the FIM ids 100258-100260 and <|endofprompt|> 100276: masked in the logits.
@@ -170,6 +171,8 @@ def _longrope_from_hf(rs: Mapping) -> LongRopeScaling:
 def gegelu(u: torch.Tensor, limit: float | None) -> torch.Tensor:
     """(..., 2I) -> (..., I): ``a * sigmoid(1.702 a) * (b + 1)`` with ``a = min(u[..., 0::2], limit)``,
     ``b = clamp(u[..., 1::2], -limit, limit)``; infinities pass unchanged (``clamp`` would cap them)."""
+    if use_kernels(u):
+        return kernels.gegelu(u, math.inf if limit is None else limit)
     a, b = u[..., 0::2], u[..., 1::2]
     if limit is not None:
         a = torch.where(torch.isinf(a), a, a.clamp(max=limit))

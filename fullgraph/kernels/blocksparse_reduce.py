@@ -1,0 +1,61 @@
+"""Merge the split-KV partial results of the block-sparse decode kernel.
+
+Algorithm: split ``s`` of (request, head) left an unnormalised accumulator ``o_s``, its running
+max ``m_s`` (log2 domain, -inf for an empty split) and sum ``l_s``. The output is
+``sum_s w_s o_s / sum_s w_s l_s`` with ``w_s = exp2(m_s - max_s m_s)``; a row whose splits are all
+empty (a padded request, seq_len 0) gets zeros, never NaN.
+
+Tensor layout contract:
+    partial_out: (R, H, S, D) float32, contiguous
+    partial_ml:  (R, H, S, 2) float32, contiguous ([..., 0] = m, [..., 1] = l)
+    out:         (R, H, D), last dim contiguous (written in full)
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _blocksparse_reduce_kernel(
+    # pointers
+    partial_out_ptr, partial_ml_ptr, out_ptr,
+    # strides
+    stride_o_tok, stride_o_head,
+    # meta-parameters
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr,
+):
+    head = tl.program_id(0)
+    req = tl.program_id(1)
+    row = req.to(tl.int64) * tl.num_programs(0) + head
+    offs_s = tl.arange(0, SPLITS_POW2)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_ok = offs_s < NUM_SPLITS
+    part = row * NUM_SPLITS + offs_s
+    m = tl.load(partial_ml_ptr + part * 2, mask=s_ok, other=float("-inf"))
+    l = tl.load(partial_ml_ptr + part * 2 + 1, mask=s_ok, other=0.0)
+    o = tl.load(partial_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+    m_max = tl.max(m, 0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_safe))         # (S,)
+    num = tl.sum(w[:, None] * o, 0)                                     # (D,)
+    den = tl.sum(w * l, 0)
+    out = tl.where(den > 0.0, num / tl.where(den > 0.0, den, 1.0), 0.0)
+    tl.store(out_ptr + req.to(tl.int64) * stride_o_tok + head * stride_o_head + offs_d,
+             out.to(out_ptr.dtype.element_ty))
+
+
+def blocksparse_reduce(partial_out: torch.Tensor, partial_ml: torch.Tensor, out: torch.Tensor) -> None:
+    """Write ``out`` (R, H, D) from the split partials (see the module docstring). Capture-safe."""
+    num_reqs, num_heads, num_splits, head_dim = partial_out.shape
+    if partial_ml.shape != (num_reqs, num_heads, num_splits, 2) or out.shape != (num_reqs, num_heads, head_dim):
+        raise ValueError(f"partial_out {tuple(partial_out.shape)}, partial_ml {tuple(partial_ml.shape)} and "
+                         f"out {tuple(out.shape)} do not agree on (R, H, S, D)")
+    if not (partial_out.is_contiguous() and partial_ml.is_contiguous()) or out.stride(-1) != 1:
+        raise ValueError("partial buffers must be contiguous and out's last dim contiguous")
+    _blocksparse_reduce_kernel[(num_heads, num_reqs)](
+        partial_out, partial_ml, out,
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, NUM_SPLITS=num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits),
+        num_warps=4 if head_dim >= 128 else 2)
