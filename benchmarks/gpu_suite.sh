@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session in few calls: `bash benchmarks/gpu_suite.sh PART...` with PART in
-#   env tests kernels core phi3 capture compile
+#   env tests tests-all kernels diag core phi3 capture compile
 # Logs and JSON land in $OUT (or ./out); each part has its own time limit so a call stays bounded.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -29,8 +29,14 @@ tests-all)
     run gpu_tests 420 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=15 tests
     ;;
 kernels)
-    run bench_attention 200 python3 benchmarks/bench_attention.py --out "$OUT/bench_attention.json"
-    run bench_blocksparse 200 python3 benchmarks/bench_blocksparse.py --out "$OUT/bench_blocksparse.json"
+    run bench_attention 150 python3 benchmarks/bench_attention.py --out "$OUT/bench_attention.json"
+    run bench_blocksparse 140 python3 benchmarks/bench_blocksparse.py --quick --out "$OUT/bench_blocksparse.json"
+    ;;
+diag)
+    run doctor 100 python3 -m fullgraph doctor --attention sdpa --modes none padded full compile compile-padded
+    for b in 1 32; do
+        run "profile_llama1b_b$b" 45 python3 benchmarks/profile_step.py --preset llama-1b --batch $b --out "$OUT/profile_b$b.json"
+    done
     ;;
 core)
     run decode_toy 60 python3 -m fullgraph.bench decode --preset toy --batch 1 32 --context 1024 --out "$OUT/decode_toy.json"

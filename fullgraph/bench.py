@@ -84,6 +84,19 @@ def time_decode(runner: FullGraphRunner, batch: int, context: int, steps: int, w
     return times
 
 
+def replay_ms(runner: FullGraphRunner, key, iters: int = 50) -> float:
+    """Device time of one graph replay (no host work): the step's GPU cost alone."""
+    graphs = runner._graphs  # measurement only: replays whatever the buffers hold (the last step)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graphs.replay(key)
+    start.record()
+    for _ in range(iters):
+        graphs.replay(key)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
 def bench_decode(args) -> list[dict]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
@@ -98,7 +111,7 @@ def bench_decode(args) -> list[dict]:
                     continue
                 rows.append(_decode_row(args, model, device, w_bytes, bandwidth, context, batch, mode))
                 print(f"  {args.preset} context {context} batch {batch} {mode}: {rows[-1]['step_ms']:.3f} ms", flush=True)
-    _table(rows, ["preset", "batch", "context", "mode", "attention", "step_ms", "p10_ms", "p90_ms", "floor_ms",
+    _table(rows, ["preset", "batch", "context", "mode", "attention", "step_ms", "replay_ms", "p90_ms", "floor_ms",
                   "compile_s"])
     eager = {(r["context"], r["batch"]): r["step_ms"] for r in rows if r["mode"] == "none"}
     for r in rows:
@@ -119,13 +132,14 @@ def _decode_row(args, model, device, w_bytes, bandwidth, context, batch, mode) -
     kv_read = batch * context * sum(2 * c.shape[3] * c.shape[4] * c.element_size() for c in runner.kv_caches)
     floor = (w_bytes + kv_read) / bandwidth * 1e3 if bandwidth == bandwidth else float("nan")
     t = time_decode(runner, batch, context, args.steps, args.warmup)
+    replay = replay_ms(runner, (batch, True)) if mode == "full" else float("nan")
     stats = runner.stats()
     row = {"preset": args.preset, "batch": batch, "context": context, "mode": mode,
            "attention": runner.config.attention, "compile": args.compile, "dtype": args.dtype,
            "step_ms": statistics.median(t) * 1e3, "p10_ms": np.percentile(t, 10) * 1e3,
            "p90_ms": np.percentile(t, 90) * 1e3, "floor_ms": floor, "weight_bytes": w_bytes,
            "kv_bytes": kv_read, "copy_TBps": bandwidth / 1e12, "compile_s": stats["compile_seconds"],
-           "capture_s": stats["capture_seconds"]}
+           "capture_s": stats["capture_seconds"], "replay_ms": replay}
     del runner
     gc.collect()
     if device.type == "cuda":

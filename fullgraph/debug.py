@@ -1,7 +1,7 @@
 """The debugging ladder as a tool: run one step in every mode and find where outputs diverge.
 
 ``compare(runner_or_model, chunks)`` runs the same step eagerly (``"none"``), on the padded
-static buffers (``"padded"``), as a CUDA graph (``"full"``) and compiled (``"compile"``), each
+static buffers (``"padded"``), as a CUDA graph (``"full"``) and compiled (``"compile"``: with graphs where CUDA is; ``"compile-padded"``), each
 in a fresh runner holding its own copy of the KV cache. Forward hooks copy every decoder layer's
 output into static debug buffers; under ``"full"`` the copies are captured into the graph, so
 the report sees what the replay computed. The report gives, per layer and per real request,
@@ -24,7 +24,7 @@ from .config import RunnerConfig
 from .plan import SeqChunk, plan_step
 from .runner import FullGraphRunner
 
-MODES = ("none", "padded", "full", "compile")
+MODES = ("none", "padded", "full", "compile", "compile-padded")
 
 
 def tolerance(dtype: torch.dtype) -> float:
@@ -72,7 +72,7 @@ def _mode_config(base: RunnerConfig, mode: str, cuda: bool, bucket: int) -> Runn
         return "needs CUDA"
     graph = "full" if cuda else "padded"
     cudagraph, compile_ = {"none": ("none", False), "padded": ("padded", False), "full": ("full", False),
-                           "compile": (graph, True)}[mode]
+                           "compile": (graph, True), "compile-padded": ("padded", True)}[mode]
     return base.replace(cudagraph=cudagraph, compile=compile_, validate=False, capture_sizes=(bucket,),
                         max_capture_size=None)
 

@@ -96,11 +96,11 @@ class FullGraphRunner:
         if not pad:
             logits, mode = self._run_unpadded(plan), "none"
         else:
-            logits, mode = self._run_padded(plan), "padded"
+            logits, mode = self._run_padded(plan)
         self._count(plan, mode)
         return StepOutput(logits, mode, plan.num_tokens, plan.num_tokens_padded)
 
-    def _run_padded(self, plan: StepPlan) -> torch.Tensor:
+    def _run_padded(self, plan: StepPlan) -> tuple[torch.Tensor, str]:
         key = plan.key
         graph = self.config.cudagraph == "full" and self._graph_for(key, plan)
         self.buffers.copy_in(plan)
@@ -115,7 +115,7 @@ class FullGraphRunner:
         logits = self.buffers.logits[: plan.num_reqs].clone()
         if self._strict is not None:
             self._strict.after(plan, logits)
-        return logits
+        return logits, "full" if graph else "padded"
 
     def _graph_for(self, key: GraphKey, plan: StepPlan) -> bool:
         if self._capture_report is None:

@@ -87,7 +87,11 @@ class Twin:
         return chunk
 
     def step(self, chunks: list[fg.SeqChunk]) -> tuple[fg.StepOutput, fg.StepOutput]:
-        return self.ref.step(chunks), self.test.step(chunks)
+        ref, got = self.ref.step(chunks), self.test.step(chunks)
+        cfg = self.test.config
+        if cfg.cudagraph == "full" and got.num_tokens <= cfg.buckets[-1]:
+            assert got.mode == "full", f"a {got.num_tokens}-token step did not replay a graph"
+        return ref, got
 
 
 def assert_logits_close(ref: fg.StepOutput, got: fg.StepOutput, dtype=torch.float32) -> None:
