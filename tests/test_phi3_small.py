@@ -60,7 +60,7 @@ def checkpoint_names(num_layers: int) -> set[str]:
 
 
 def hf_state_dict(model: Phi3Small) -> dict[str, torch.Tensor]:
-    return {"model." + k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"model." + k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
 # ---- the reference ---------------------------------------------------------------------------

@@ -196,7 +196,7 @@ def test_split_count_is_static_and_fits_workspace():
     counts = [num_kv_splits(r, kv_heads, max_len, sms) for r in range(1, 33)]
     assert counts[0] > 1 and counts[-1] == 1, "split at batch 1, not once the SMs are full"
     assert counts == sorted(counts, reverse=True) and max(counts) <= MAX_SPLITS
-    assert num_kv_splits(1, kv_heads, 256, sms) == 1, "never split a short max_model_len"
+    assert num_kv_splits(1, kv_heads, 64, sms) == 1, "never split below MIN_SPLIT_TOKENS at max_model_len"
     rows = split_workspace_rows(32, kv_heads, max_len, sms)
     assert all(r * c <= rows for r, c in zip(range(1, 33), counts))
 

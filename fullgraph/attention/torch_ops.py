@@ -15,12 +15,15 @@ import torch.nn.functional as F
 KeepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+@torch.library.custom_op("fullgraph::write_kv_reference", mutates_args=("kv_cache",))
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write new keys/values at their slots; a slot of -1 leaves the cache byte-identical.
 
     kv_cache: (2, num_blocks, block_size, KVH, D); k, v: (T, KVH, D); slot_mapping: (T,) int64.
     A masked scatter would need a data-dependent shape, so skipped tokens are pointed at slot 0
     and write back the value already there (same bytes; real tokens never use the null block).
+    A custom op, so ``torch.compile`` keeps it one in-place write instead of functionalising a
+    scatter into the whole cache.
     """
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     flat = kv_cache.view(2, -1, num_kv_heads, head_dim)      # (2, num_slots, KVH, D)
@@ -29,6 +32,11 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     new = torch.stack((k, v)).to(kv_cache.dtype)               # (2, T, KVH, D)
     old = flat[:, safe]
     flat[:, safe] = torch.where(valid[None, :, None, None], new, old)
+
+
+@write_kv.register_fake
+def _(kv_cache, k, v, slot_mapping):
+    return None
 
 
 def group_queries(q: torch.Tensor, query_start_loc: torch.Tensor, num_reqs: int, decode_only: bool):
@@ -93,9 +101,11 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     else:
         mask = mask.view(num_reqs, num_kv_heads, group, q_max, seq_len_max)
     mask = mask.reshape(num_reqs, -1, group * q_max, seq_len_max)
+    # An additive float mask: faster than a boolean one, and the form Inductor lowers reliably.
+    bias = torch.zeros((), dtype=kv.dtype, device=q.device).masked_fill(~mask, float("-inf"))
     k = kv[0].transpose(1, 2)                                     # (R, KVH, L, D)
     v = kv[1].transpose(1, 2)
-    out = F.scaled_dot_product_attention(qf.to(k.dtype), k, v, attn_mask=mask, scale=scale)
+    out = F.scaled_dot_product_attention(qf.to(k.dtype), k, v, attn_mask=bias, scale=scale)
     out = out.view(num_reqs, num_kv_heads, group, q_max, head_dim).permute(0, 3, 1, 2, 4)
     out = out.reshape(num_reqs, q_max, num_heads, head_dim)[req, col]                   # (T, H, D)
     real = torch.arange(q.shape[0], device=q.device) < query_start_loc[-1]

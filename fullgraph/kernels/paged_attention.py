@@ -46,7 +46,7 @@ from .split_kv_reduce import split_kv_reduce
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
-MIN_SPLIT_TOKENS = 256  # never split a sequence into pieces shorter than this (at max_model_len)
+MIN_SPLIT_TOKENS = 64  # never split a sequence into pieces shorter than this (at max_model_len)
 SPLIT_PROGRAMS_PER_SM = 4  # split decode until about this many programs per SM are in flight
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite running-max start: exp2(-inf - _NEG_BIG) = 0, never inf - inf
 
