@@ -38,6 +38,18 @@ diag)
         run "profile_llama1b_b$b" 45 python3 benchmarks/profile_step.py --preset llama-1b --batch $b --out "$OUT/profile_b$b.json"
     done
     ;;
+core-fast)
+    run decode_llama1b_sdpa 100 python3 -m fullgraph.bench decode --preset llama-1b --batch 1 32 --context 1024 \
+        --attention sdpa --modes none full --out "$OUT/decode_llama1b_sdpa.json"
+    run decode_llama1b_triton 80 python3 -m fullgraph.bench decode --preset llama-1b --batch 1 32 --context 1024 \
+        --attention triton --modes full --out "$OUT/decode_llama1b_triton.json"
+    ;;
+phi3-fast)
+    run decode_phi3 150 python3 -m fullgraph.bench decode --preset phi3-small-8k --batch 1 16 --context 2048 8000 \
+        --modes none full --steps 20 --out "$OUT/decode_phi3.json"
+    run decode_phi3_dense 60 python3 -m fullgraph.bench decode --preset phi3-small-8k-dense --batch 1 --context 2048 \
+        --modes full --steps 20 --out "$OUT/decode_phi3_dense.json"
+    ;;
 core)
     run decode_toy 60 python3 -m fullgraph.bench decode --preset toy --batch 1 32 --context 1024 --out "$OUT/decode_toy.json"
     for attn in sdpa triton; do
