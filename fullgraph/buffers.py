@@ -62,6 +62,7 @@ class StaticBuffers:
         self._host_np = {g: t.numpy() for g, t in self._host.items()}
         self._copied = torch.cuda.Event() if on_cuda else None
         self.tensors = {name: self._view(self._dev, name) for name in _INT64 + _INT32}
+        self._staging = [(name, self._view(self._host_np, name)) for name in _INT64 + _INT32]
         self.logits = torch.zeros(config.max_num_seqs, vocab_size, dtype=torch.float32, device=self.device)
 
     def _view(self, groups: dict, name: str):
@@ -78,9 +79,9 @@ class StaticBuffers:
                              f"({self.config.max_num_tokens} / {self.config.max_num_seqs})")
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copy must have left the staging area
-        for name in _INT64 + _INT32:
+        for name, staging in self._staging:
             src = getattr(plan, name)
-            self._view(self._host_np, name)[: len(src)] = src
+            staging[: len(src)] = src
         if self._copied is not None:
             for group in ("i64", "i32"):
                 self._dev[group].copy_(self._host[group], non_blocking=True)

@@ -66,12 +66,22 @@ class BlockSparseConfig:
         q_pos and k_pos broadcast against each other; the result gains a head axis in front of
         their last two dims: q_pos (..., Qm, 1), k_pos (..., 1, L) -> (..., H, Qm, L).
         """
-        heads = torch.arange(self.head_offset, self.head_offset + num_heads, device=q_pos.device)
-        qb = (q_pos // self.block_size).unsqueeze(-3)                      # (..., 1, Qm, 1)
-        kb = (k_pos // self.block_size).unsqueeze(-3)                      # (..., 1, 1, L)
-        local = (qb - kb) < self.local_blocks
-        vert = (kb + heads[:, None, None] * self.head_step + 1) % self.vert_stride == 0
-        return local | vert
+        return keep_mask(q_pos, k_pos, self.as_ints(), num_heads)
+
+    def as_ints(self) -> list[int]:
+        """[block_size, local_blocks, vert_stride, head_step, head_offset] (for custom ops)."""
+        return [self.block_size, self.local_blocks, self.vert_stride, self.head_step, self.head_offset]
+
+
+def keep_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, pattern: list[int], num_heads: int) -> torch.Tensor:
+    """The KEEP rule of the module docstring (without causality) from ``BlockSparseConfig.as_ints``."""
+    block, local_blocks, stride, step, offset = pattern
+    heads = torch.arange(offset, offset + num_heads, device=q_pos.device)
+    qb = (q_pos // block).unsqueeze(-3)                                # (..., 1, Qm, 1)
+    kb = (k_pos // block).unsqueeze(-3)                                # (..., 1, 1, L)
+    local = (qb - kb) < local_blocks
+    vert = (kb + heads[:, None, None] * step + 1) % stride == 0
+    return local | vert
 
 
 @dataclass(frozen=True, eq=False)

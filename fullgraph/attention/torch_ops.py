@@ -110,3 +110,24 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     out = out.reshape(num_reqs, q_max, num_heads, head_dim)[req, col]                   # (T, H, D)
     real = torch.arange(q.shape[0], device=q.device) < query_start_loc[-1]
     return torch.where(real[:, None, None], out, out.new_zeros(())).to(q.dtype)  # padding rows: zeros
+
+
+@torch.library.custom_op("fullgraph::paged_attention_reference", mutates_args=())
+def paged_attention_op(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
+                       seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, decode_only: bool,
+                       sparse: list[int] | None = None) -> torch.Tensor:
+    """``paged_attention`` as one opaque op: ``torch.compile`` runs exactly the eager reference
+    (Inductor's own lowering of this gather/mask/SDPA graph diverged on CUDA). ``sparse`` is the
+    block-sparse pattern as ints ``[block_size, local_blocks, vert_stride, head_step, head_offset]``
+    (None: dense causal)."""
+    from .blocksparse import keep_mask
+
+    num_heads = q.shape[1]
+    keep = None if sparse is None else (lambda q_pos, k_pos: keep_mask(q_pos, k_pos, sparse, num_heads))
+    return paged_attention(q, kv_cache, query_start_loc, seq_lens, block_table, scale=scale,
+                           decode_only=decode_only, keep=keep)
+
+
+@paged_attention_op.register_fake
+def _(q, kv_cache, query_start_loc, seq_lens, block_table, scale, decode_only, sparse=None):
+    return torch.empty_like(q)

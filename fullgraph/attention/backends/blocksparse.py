@@ -133,7 +133,5 @@ def blocksparse_attention_torch(q: torch.Tensor, kv_cache: torch.Tensor, query_s
     The pattern is computed per step from positions (``BlockSparseConfig.keep``), sized by the
     padded step (R, H, Qm, L), never max_len x max_len.
     """
-    num_heads = q.shape[1]
-    return torch_ops.paged_attention(q, kv_cache, query_start_loc, seq_lens, block_table, scale=scale,
-                                     decode_only=decode_only,
-                                     keep=lambda q_pos, k_pos: sparse.keep(num_heads, q_pos, k_pos))
+    return torch_ops.paged_attention_op(q, kv_cache, query_start_loc, seq_lens, block_table, scale,
+                                        decode_only, sparse.as_ints())

@@ -28,7 +28,7 @@ class SdpaBackend(AttentionBackend):
     def forward(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
         torch_ops.write_kv(kv_cache, k, v, metadata.require("slot_mapping", self.name))
-        return torch_ops.paged_attention(
+        return torch_ops.paged_attention_op(
             q, kv_cache, metadata.require("query_start_loc", self.name),
             metadata.require("seq_lens", self.name), metadata.require("block_table", self.name),
-            scale=layer.scale, decode_only=metadata.decode_only)
+            layer.scale, metadata.decode_only)
