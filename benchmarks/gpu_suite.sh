@@ -50,6 +50,16 @@ phi3-fast)
     run decode_phi3_dense 60 python3 -m fullgraph.bench decode --preset phi3-small-8k-dense --batch 1 --context 2048 \
         --modes full --steps 20 --out "$OUT/decode_phi3_dense.json"
     ;;
+final)
+    run gpu_tests_compile 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_compile.py tests/test_debug.py \
+        tests/test_blocksparse.py tests/test_fused_kernels.py tests/test_regression.py -k "compile or host_scalar or s12 or bf16 or half or graph"
+    run decode_llama1b_triton 40 python3 -m fullgraph.bench decode --preset llama-1b --batch 1 32 --context 1024 \
+        --attention triton --modes full --out "$OUT/decode_llama1b_triton.json"
+    run capture_phi3 90 python3 -m fullgraph.bench capture --preset phi3-small-8k --out "$OUT/capture_phi3.json"
+    run decode_phi3_128k 90 python3 -m fullgraph.bench decode --preset phi3-small-128k --batch 1 --context 32768 130000 \
+        --modes full --steps 20 --out "$OUT/decode_phi3_128k.json"
+    run bench_blocksparse 150 python3 benchmarks/bench_blocksparse.py --out "$OUT/bench_blocksparse.json"
+    ;;
 core)
     run decode_toy 60 python3 -m fullgraph.bench decode --preset toy --batch 1 32 --context 1024 --out "$OUT/decode_toy.json"
     for attn in sdpa triton; do
