@@ -13,12 +13,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import kernels
+try:
+    from .. import kernels
+except ImportError:  # no Triton (e.g. macOS): the PyTorch formulas everywhere
+    kernels = None
 
 
 def use_kernels(x: torch.Tensor) -> bool:
     """Fused Triton kernels for this tensor: on CUDA, and not while torch.compile traces."""
-    return x.is_cuda and not torch.compiler.is_compiling()
+    return kernels is not None and x.is_cuda and not torch.compiler.is_compiling()
 
 
 class RMSNorm(nn.Module):
