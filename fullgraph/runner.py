@@ -48,14 +48,15 @@ class FullGraphRunner:
     """
 
     def __init__(self, model: nn.Module, config: RunnerConfig | None = None, **overrides) -> None:
-        config = (config or RunnerConfig()).replace(**overrides) if overrides else (config or RunnerConfig())
+        config = (config or RunnerConfig()).replace(**overrides)
         layers = check_model(model)
         param = next(model.parameters())
         self.model, self.device, self.dtype = model, param.device, param.dtype
         self.vocab_size = int(model.vocab_size)
         config = resolve_mode(config, self.device.type == "cuda")
-        for name, limit in (("max_position_embeddings", getattr(getattr(model, "config", None), "max_position_embeddings", None)),
-                            ("max_model_len", getattr(model, "max_model_len", None))):
+        model_limits = {"max_position_embeddings": getattr(getattr(model, "config", None), "max_position_embeddings", None),
+                        "max_model_len": getattr(model, "max_model_len", None)}  # e.g. LongRoPE's choice
+        for name, limit in model_limits.items():
             if limit is not None and config.max_model_len > limit:
                 raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {name} {limit}")
         num_blocks = config.num_blocks or config.max_num_seqs * config.max_blocks_per_seq + 1
