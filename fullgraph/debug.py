@@ -1,8 +1,9 @@
 """The debugging ladder as a tool: run one step in every mode and find where outputs diverge.
 
 ``compare(runner_or_model, chunks)`` runs the same step eagerly (``"none"``), on the padded
-static buffers (``"padded"``), as a CUDA graph (``"full"``) and compiled (``"compile"``: with graphs where CUDA is; ``"compile-padded"``), each
-in a fresh runner holding its own copy of the KV cache. Forward hooks copy every decoder layer's
+static buffers (``"padded"``), as a CUDA graph (``"full"``) and compiled (``"compile"``, with
+graphs where CUDA is, and ``"compile-padded"``), each in a fresh runner holding its own copy of
+the KV cache. Forward hooks copy every decoder layer's
 output into static debug buffers; under ``"full"`` the copies are captured into the graph, so
 the report sees what the replay computed. The report gives, per layer and per real request,
 max |delta| of the hidden states against ``"none"``, the first layer past a dtype-aware
