@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fullgraph.kernels.activation import gegelu, silu_and_mul
-from fullgraph.kernels.rms_norm import add_rms_norm, rms_norm
+from fullgraph.kernels.norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from fullgraph.kernels.rope import rope
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -52,6 +52,34 @@ def test_rms_norm_and_fused_add(rows, cols):
     y, h = add_rms_norm(x, res, w, 1e-6)
     check(h, (x + res).double())
     check(y, ref_rms(x + res, w, 1e-6))
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 64), (5, 100), (3, 4096)])
+def test_layer_norm_and_fused_add(rows, cols):
+    x = 3 + torch.randn(rows, 2 * cols, device=DEVICE)[:, :cols]    # strided rows, a mean far from 0
+    res = torch.randn(rows, cols, device=DEVICE)
+    w, b = 1 + 0.1 * torch.randn(cols, device=DEVICE), torch.randn(cols, device=DEVICE)
+
+    def ref(h):
+        return torch.nn.functional.layer_norm(h.double(), (cols,), w.double(), b.double(), 1e-5)
+
+    check(layer_norm(x, w, b, 1e-5), ref(x))
+    y, h = add_layer_norm(x, res, w, b, 1e-5)
+    check(h, (x + res).double())
+    check(y, ref(x + res))
+
+
+def test_rope_reads_head_major_grouped_q():
+    """Phi-3-Small's fused QKV interleaves each KV group's query heads with its k and v rows."""
+    tokens, kv_heads, group, dim = 5, 2, 3, 32
+    qkv = torch.randn(tokens, kv_heads, group + 2, dim, device=DEVICE)
+    q, k = qkv[:, :, :group], qkv[:, :, group]
+    positions = torch.randint(0, 40, (tokens,), device=DEVICE)
+    angles = torch.rand(40, dim // 2, device=DEVICE) * 6
+    q_out, k_out = rope(q, k, positions, angles.cos(), angles.sin())
+    assert q_out.shape == (tokens, kv_heads * group, dim)
+    check(q_out, ref_rope(q.reshape(tokens, -1, dim), positions, angles.cos(), angles.sin()))
+    check(k_out, ref_rope(k, positions, angles.cos(), angles.sin()))
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 16), (6, 1, 80), (32, 8, 128)])

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from .activation import gegelu, silu_and_mul
 from .kv_write import kv_write, write_kv
+from .norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from .paged_attention import (KernelConfig, default_config, num_kv_splits, paged_attention,
                               split_workspace_rows)
-from .rms_norm import add_rms_norm, rms_norm
 from .rope import rope
 from .split_kv_reduce import split_kv_reduce
 
-__all__ = ["KernelConfig", "add_rms_norm", "default_config", "gegelu", "kv_write", "num_kv_splits",
-           "paged_attention", "rms_norm", "rope", "silu_and_mul", "split_kv_reduce", "split_workspace_rows",
-           "write_kv"]
+__all__ = ["KernelConfig", "add_layer_norm", "add_rms_norm", "default_config", "gegelu", "kv_write",
+           "layer_norm", "num_kv_splits", "paged_attention", "rms_norm", "rope", "silu_and_mul",
+           "split_kv_reduce", "split_workspace_rows", "write_kv"]

@@ -103,7 +103,7 @@ def _blocksparse_decode_kernel(
 
 
 def decode_num_splits(num_reqs: int, num_heads: int, layout_width: int, sparse_block_size: int, *,
-                      target_programs: int = 1024, min_keys_per_split: int = 512, max_splits: int = 32) -> int:
+                      target_programs: int = 1024, min_keys_per_split: int = 128, max_splits: int = 32) -> int:
     """KV splits per (request, head): a function of static sizes only (capture-safe).
 
     Enough programs to fill the GPU (``target_programs``), but no split shorter than

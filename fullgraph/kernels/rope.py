@@ -9,9 +9,10 @@ Algorithm, for each token t and head h (of q or of k), with half = D / 2 and i <
 computed in float32, stored in x's dtype. One program handles one token: all its q heads, then
 all its k heads, so the cos/sin row is read once per token.
 
-Layout contract: q (T, H, D), k (T, KVH, D) with unit stride along D (token and head strides are
-free: views of a fused QKV projection work); positions (T,) int; cos, sin (P, D/2) float32.
-Returns new contiguous (T, H, D) and (T, KVH, D) tensors.
+Layout contract: q (T, H, D) or grouped (T, KVH, G, D) with H = KVH * G, k (T, KVH, D), unit
+stride along D (token, group and head strides are free: views of a fused QKV projection work,
+including head-major ones that interleave each group's query heads with its k and v);
+positions (T,) int; cos, sin (P, D/2) float32. Returns new contiguous (T, H, D) and (T, KVH, D).
 """
 from __future__ import annotations
 
@@ -21,12 +22,12 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotate(x_ptr, out_ptr, row, num_heads, stride_t, stride_h, c, s,
+def _rotate(x_ptr, out_ptr, row, num_heads, group, stride_t, stride_g, stride_h, c, s,
             HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     heads = tl.arange(0, BLOCK_H)[:, None]
     cols = tl.arange(0, BLOCK_D)[None, :]
     mask = (heads < num_heads) & (cols < HALF)
-    src = x_ptr + row * stride_t + heads * stride_h + cols
+    src = x_ptr + row * stride_t + (heads // group) * stride_g + (heads % group) * stride_h + cols
     x1 = tl.load(src, mask=mask, other=0.0)
     x2 = tl.load(src + HALF, mask=mask, other=0.0)
     x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
@@ -38,8 +39,8 @@ def _rotate(x_ptr, out_ptr, row, num_heads, stride_t, stride_h, c, s,
 @triton.jit
 def _rope_kernel(
     q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,   # pointers
-    num_q_heads, num_k_heads,                                          # sizes
-    stride_qt, stride_qh, stride_kt, stride_kh,                        # strides
+    num_q_heads, num_k_heads, q_group,                                 # sizes
+    stride_qt, stride_qg, stride_qh, stride_kt, stride_kh,             # strides
     HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -47,26 +48,31 @@ def _rope_kernel(
     cols = tl.arange(0, BLOCK_D)[None, :]
     c = tl.load(cos_ptr + pos * HALF + cols, mask=cols < HALF, other=0.0)
     s = tl.load(sin_ptr + pos * HALF + cols, mask=cols < HALF, other=0.0)
-    _rotate(q_ptr, q_out_ptr, row, num_q_heads, stride_qt, stride_qh, c, s, HALF, BLOCK_HQ, BLOCK_D)
-    _rotate(k_ptr, k_out_ptr, row, num_k_heads, stride_kt, stride_kh, c, s, HALF, BLOCK_HK, BLOCK_D)
+    _rotate(q_ptr, q_out_ptr, row, num_q_heads, q_group, stride_qt, stride_qg, stride_qh, c, s,
+            HALF, BLOCK_HQ, BLOCK_D)
+    _rotate(k_ptr, k_out_ptr, row, num_k_heads, num_k_heads, stride_kt, 0, stride_kh, c, s, HALF, BLOCK_HK, BLOCK_D)
 
 
 @torch.library.custom_op("fullgraph::rope", mutates_args=())
 def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
          sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotated (q, k); see the module docstring."""
-    num_tokens, num_q_heads, head_dim = q.shape
+    grouped = q.dim() == 4
+    num_tokens, head_dim = q.shape[0], q.shape[-1]
+    num_q_heads = q.shape[1] * q.shape[2] if grouped else q.shape[1]
+    q_group = q.shape[2] if grouped else num_q_heads
     half = head_dim // 2
     if (q.stride(-1) != 1 or k.stride(-1) != 1 or k.shape[0] != num_tokens or k.shape[2] != head_dim
             or cos.shape[-1] != half or positions.shape != (num_tokens,)):
         raise ValueError(f"rope: q {tuple(q.shape)}, k {tuple(k.shape)}, positions {tuple(positions.shape)}, "
-                         f"cos {tuple(cos.shape)}: need (T, H, D), (T, KVH, D), (T,), (P, D/2), unit stride on D")
+                         f"cos {tuple(cos.shape)}: need (T, H, D) or (T, KVH, G, D), (T, KVH, D), (T,), (P, D/2), "
+                         "unit stride on D")
     q_out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     k_out = torch.empty((num_tokens, k.shape[1], head_dim), dtype=k.dtype, device=k.device)
     if num_tokens:
         _rope_kernel[(num_tokens,)](
-            q, k, positions, cos, sin, q_out, k_out, num_q_heads, k.shape[1],
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            q, k, positions, cos, sin, q_out, k_out, num_q_heads, k.shape[1], q_group,
+            q.stride(0), q.stride(1) if grouped else 0, q.stride(-2), k.stride(0), k.stride(1),
             HALF=half, BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HK=triton.next_power_of_2(k.shape[1]),
             BLOCK_D=triton.next_power_of_2(half), num_warps=4)
     return q_out, k_out
@@ -74,5 +80,6 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.T
 
 @rope.register_fake
 def _(q, k, positions, cos, sin):
-    return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
+    return (torch.empty((q.shape[0], q.shape[-3] * q.shape[-2] if q.dim() == 4 else q.shape[1], q.shape[-1]),
+                        dtype=q.dtype, device=q.device),
             torch.empty(k.shape, dtype=k.dtype, device=k.device))

@@ -48,6 +48,27 @@ class RMSNorm(nn.Module):
         return y if residual is None else (y, x)
 
 
+class LayerNorm(nn.Module):
+    """LayerNorm (weight and bias) in float32, returned in the input dtype, with the fused
+    residual form of :class:`RMSNorm`: ``forward(x, residual)`` returns ``(norm(x + residual), x + residual)``."""
+
+    def __init__(self, hidden_size: int, eps: float, **factory) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, **factory))
+        self.bias = nn.Parameter(torch.zeros(hidden_size, **factory))
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if use_kernels(x):
+            if residual is None:
+                return kernels.layer_norm(x, self.weight, self.bias, self.eps)
+            return kernels.add_layer_norm(x, residual, self.weight, self.bias, self.eps)
+        if residual is not None:
+            x = x + residual
+        y = F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+        return y if residual is None else (y, x)
+
+
 def rope_inv_freq(head_dim: int, base: float) -> torch.Tensor:
     """Standard RoPE inverse frequencies, (head_dim // 2,) float64."""
     return 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
@@ -82,9 +103,10 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", (freqs.sin() * mscale).float().to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: (T,); q: (T, H, D), k: (T, KVH, D)
+        # positions: (T,); q: (T, H, D) or grouped (T, KVH, G, D), k: (T, KVH, D) -> (T, H, D), (T, KVH, D)
         if use_kernels(q):
             return kernels.rope(q, k, positions, self.cos, self.sin)
+        q = q.reshape(q.shape[0], -1, q.shape[-1])
         cos = self.cos[positions][:, None, :]                                # (T, 1, D/2)
         sin = self.sin[positions][:, None, :]
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..attention import Attention, AttentionMetadata, BlockSparseConfig
-from .layers import RotaryEmbedding, init_random_, kernels, rope_inv_freq, use_kernels
+from .layers import LayerNorm, RotaryEmbedding, init_random_, kernels, rope_inv_freq, use_kernels
 from .loading import load_config, load_safetensors_dir
 
 # <|dummy_id_k|>, the FIM ids 100258-100260 and <|endofprompt|> 100276: masked in the logits.
@@ -194,10 +194,10 @@ class Phi3SmallAttention(nn.Module):
         a = self.attn
         group = a.num_heads // a.num_kv_heads
         # Head-major rows: per KV group g, [q_{g*G} .. q_{g*G+G-1}, k_g, v_g] of head_dim each.
+        # All three stay views: RoPE reads the grouped q and writes (T, H, D); the KV write reads v.
         qkv = self.query_key_value(x).view(-1, a.num_kv_heads, group + 2, a.head_dim)   # (T, KVH, G+2, D)
-        q = qkv[:, :, :group].reshape(-1, a.num_heads, a.head_dim)                       # (T, H, D)
-        k, v = qkv[:, :, group], qkv[:, :, group + 1].contiguous()                       # (T, KVH, D)
-        q, k = rope(positions, q, k)
+        q, k, v = qkv[:, :, :group], qkv[:, :, group], qkv[:, :, group + 1]              # (T, KVH, G|-, D)
+        q, k = rope(positions, q, k)                                                     # (T, H, D), (T, KVH, D)
         return self.dense(a(q, k, v, kv_cache, metadata))
 
 
@@ -215,14 +215,20 @@ class Phi3SmallMLP(nn.Module):
 class Phi3SmallDecoderLayer(nn.Module):
     def __init__(self, c: Phi3SmallConfig, layer: int, **factory) -> None:
         super().__init__()
-        self.input_layernorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_epsilon, **factory)
+        self.input_layernorm = LayerNorm(c.hidden_size, c.layer_norm_epsilon, **factory)
         self.self_attn = Phi3SmallAttention(c, layer, **factory)
-        self.post_attention_layernorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_epsilon, **factory)
+        self.post_attention_layernorm = LayerNorm(c.hidden_size, c.layer_norm_epsilon, **factory)
         self.mlp = Phi3SmallMLP(c, **factory)
 
-    def forward(self, x, positions, rope, kv_cache, metadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, metadata)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, rope, kv_cache, metadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(layer output, residual stream); the next norm adds them (fused add + LayerNorm)."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, rope, kv_cache, metadata)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class Phi3Small(nn.Module):
@@ -250,7 +256,7 @@ class Phi3Small(nn.Module):
             raise ValueError(f"max_model_len {max_model_len} not in [1, {c.max_position_embeddings}]")
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, **factory)
         self.layers = nn.ModuleList(Phi3SmallDecoderLayer(c, i, **factory) for i in range(c.num_hidden_layers))
-        self.final_layernorm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_epsilon, **factory)
+        self.final_layernorm = LayerNorm(c.hidden_size, c.layer_norm_epsilon, **factory)
         inv_freq, mscale, self.rope_factors = rope_inv_freq(c.head_dim, c.rope_embedding_base), 1.0, None
         if c.rope_scaling is not None:
             long = self.max_model_len > c.rope_scaling.original_max_position_embeddings
@@ -267,10 +273,10 @@ class Phi3Small(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 metadata: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids) * self.config.mup_embedding_multiplier       # (T, hidden)
+        x, residual = self.embed_tokens(input_ids) * self.config.mup_embedding_multiplier, None  # (T, hidden)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rotary, kv_cache, metadata)
-        return self.final_layernorm(x)
+            x, residual = layer(x, residual, positions, self.rotary, kv_cache, metadata)
+        return self.final_layernorm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = (hidden @ self.embed_tokens.weight.t()).float() / self.config.mup_width_multiplier  # (N, vocab)

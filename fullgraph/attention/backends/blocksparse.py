@@ -59,6 +59,7 @@ class BlockSparseBackend(AttentionBackend):
         for layer in layers:
             layer.sparse.check_page_size(limits.block_size)
         self.impl = self._pick_impl(impl, limits, layers)
+        self._write_kv = torch_ops.write_kv
         self._layouts: dict[tuple[BlockSparseConfig, int], BlockSparseLayout] = {}
         if self.impl == "triton":
             self._init_triton(limits, layers)
@@ -85,6 +86,8 @@ class BlockSparseBackend(AttentionBackend):
         # Imported here: Triton kernels are defined in interpreter or compiled mode at import time.
         from ...kernels.blocksparse_decode import blocksparse_decode, decode_num_splits
         from ...kernels.blocksparse_prefill import blocksparse_prefill
+        from ...kernels.kv_write import write_kv
+        self._write_kv = write_kv  # one launch, where the reference write is about seven
         self._prefill, self._decode, self._num_splits = blocksparse_prefill, blocksparse_decode, decode_num_splits
         for layer in layers:
             key = (layer.sparse, layer.num_heads)
@@ -107,7 +110,7 @@ class BlockSparseBackend(AttentionBackend):
 
     def forward(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
-        torch_ops.write_kv(kv_cache, k, v, metadata.require("slot_mapping", self.name))
+        self._write_kv(kv_cache, k, v, metadata.require("slot_mapping", self.name))
         qsl = metadata.require("query_start_loc", self.name)
         seq_lens = metadata.require("seq_lens", self.name)
         block_table = metadata.require("block_table", self.name)
