@@ -32,20 +32,20 @@ from .blocksparse_prefill import check_paged_inputs
 from .blocksparse_reduce import blocksparse_reduce
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _blocksparse_decode_kernel(
     # pointers
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_ptr, partial_ml_ptr,
     seq_lens_ptr, block_table_ptr, counts_ptr, indices_ptr,
     # sizes
-    num_q_blocks, qk_scale,
+    num_q_blocks, num_splits, qk_scale,
     # strides
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_kv_page, stride_kv_tok, stride_kv_head,
     stride_bt_req, stride_counts_head, stride_idx_head, stride_idx_qb,
     # meta-parameters
     HEAD_DIM: tl.constexpr, QUERY_GROUP: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     head = tl.program_id(0)
     split = tl.program_id(1)
@@ -57,7 +57,7 @@ def _blocksparse_decode_kernel(
     qb = tl.minimum(tl.maximum(seq_len - 1, 0) // SPARSE_BLOCK, num_q_blocks - 1)
     count = tl.load(counts_ptr + head * stride_counts_head + qb)
     count = tl.where(seq_len > 0, count, 0)
-    share = tl.cdiv(count, NUM_SPLITS)
+    share = tl.cdiv(count, num_splits)
     first = split * share
     last = tl.minimum(first + share, count)
     idx_row = indices_ptr + head * stride_idx_head + qb * stride_idx_qb
@@ -91,12 +91,12 @@ def _blocksparse_decode_kernel(
         acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), 0)
         m_i = m_new
 
-    if NUM_SPLITS == 1:
+    if num_splits == 1:
         out = tl.where(l_i > 0.0, acc / tl.where(l_i > 0.0, l_i, 1.0), 0.0)
         tl.store(out_ptr + req.to(tl.int64) * stride_o_tok + head * stride_o_head + offs_d,
                  out.to(out_ptr.dtype.element_ty))
     else:
-        part = (req.to(tl.int64) * tl.num_programs(0) + head) * NUM_SPLITS + split
+        part = (req.to(tl.int64) * tl.num_programs(0) + head) * num_splits + split
         tl.store(partial_out_ptr + part * HEAD_DIM + offs_d, acc)
         tl.store(partial_ml_ptr + part * 2, m_i)
         tl.store(partial_ml_ptr + part * 2 + 1, l_i)
@@ -135,12 +135,12 @@ def _launch_decode(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tens
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     _blocksparse_decode_kernel[(num_heads, num_splits, num_reqs)](
         q, k_cache, v_cache, out, partial_out, partial_ml, seq_lens, block_table, counts, indices,
-        counts.shape[1], sm_scale * 1.4426950408889634,
+        counts.shape[1], num_splits, sm_scale * 1.4426950408889634,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.stride(0), counts.stride(0), indices.stride(0), indices.stride(1),
         HEAD_DIM=head_dim, QUERY_GROUP=num_heads // num_kv_heads, SPARSE_BLOCK=sparse_block_size,
-        PAGE_SIZE=page_size, BLOCK_N=min(sparse_block_size, 64), NUM_SPLITS=num_splits,
+        PAGE_SIZE=page_size, BLOCK_N=min(sparse_block_size, 64),
         num_warps=4, num_stages=2 if q.is_cuda else 1)
     if num_splits > 1:
         blocksparse_reduce(partial_out[:rows].view(num_reqs, num_heads, num_splits, head_dim),

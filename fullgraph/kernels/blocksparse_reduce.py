@@ -16,23 +16,27 @@ import torch
 import triton
 import triton.language as tl
 
+from .split_kv_reduce import MIN_SPLITS_PAD
 
-@triton.jit
+
+@triton.jit(do_not_specialize=["num_splits"])
 def _blocksparse_reduce_kernel(
     # pointers
     partial_out_ptr, partial_ml_ptr, out_ptr,
+    # sizes
+    num_splits,
     # strides
     stride_o_tok, stride_o_head,
     # meta-parameters
-    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr,
+    HEAD_DIM: tl.constexpr, SPLITS_POW2: tl.constexpr,
 ):
     head = tl.program_id(0)
     req = tl.program_id(1)
     row = req.to(tl.int64) * tl.num_programs(0) + head
     offs_s = tl.arange(0, SPLITS_POW2)
     offs_d = tl.arange(0, HEAD_DIM)
-    s_ok = offs_s < NUM_SPLITS
-    part = row * NUM_SPLITS + offs_s
+    s_ok = offs_s < num_splits
+    part = row * num_splits + offs_s
     m = tl.load(partial_ml_ptr + part * 2, mask=s_ok, other=float("-inf"))
     l = tl.load(partial_ml_ptr + part * 2 + 1, mask=s_ok, other=0.0)
     o = tl.load(partial_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None], other=0.0)
@@ -55,7 +59,7 @@ def blocksparse_reduce(partial_out: torch.Tensor, partial_ml: torch.Tensor, out:
     if not (partial_out.is_contiguous() and partial_ml.is_contiguous()) or out.stride(-1) != 1:
         raise ValueError("partial buffers must be contiguous and out's last dim contiguous")
     _blocksparse_reduce_kernel[(num_heads, num_reqs)](
-        partial_out, partial_ml, out,
+        partial_out, partial_ml, out, num_splits,
         out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, NUM_SPLITS=num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits),
+        HEAD_DIM=head_dim, SPLITS_POW2=max(MIN_SPLITS_PAD, triton.next_power_of_2(num_splits)),
         num_warps=4 if head_dim >= 128 else 2)
