@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session in few calls: `bash benchmarks/gpu_suite.sh PART...` with PART in
-#   env tests tests-all kernels diag profile-phi3 core core-fast phi3 phi3-fast capture compile final
+#   env tests tests-all kernels linear diag profile-phi3 core core-fast phi3 phi3-fast capture compile final
 # Logs and JSON land in $OUT (or ./out); each part has its own time limit so a call stays bounded.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -37,6 +37,9 @@ diag)
     for b in 1 32; do
         run "profile_llama1b_b$b" 45 python3 benchmarks/profile_step.py --preset llama-1b --batch $b --out "$OUT/profile_b$b.json"
     done
+    ;;
+linear)
+    run bench_linear 90 python3 benchmarks/bench_linear.py --out "$OUT/bench_linear.json"
     ;;
 profile-phi3)
     for preset in phi3-small-8k phi3-small-8k-dense; do
