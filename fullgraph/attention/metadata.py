@@ -1,9 +1,9 @@
 """AttentionMetadata: the per-step device tensors every attention layer receives."""
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,6 +28,9 @@ class AttentionMetadata:
         decode_only: every real request has exactly one new token (a static property of the
             graph key, so backends may branch on it on the host).
         backends: attention kind ("dense", "blocksparse") -> the backend serving it.
+        cache: tensors a backend derives from this step's metadata alone, built in the first
+            layer and reused by the others (see :meth:`per_step`). Only valid for one step, so
+            build a new ``AttentionMetadata`` per step (as the runner does).
     """
 
     query_start_loc: torch.Tensor | None
@@ -37,6 +40,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor | None
     decode_only: bool
     backends: Mapping[str, AttentionBackend]
+    cache: dict[Hashable, Any] = field(default_factory=dict, repr=False)
 
     def require(self, name: str, backend: str) -> torch.Tensor:
         value = getattr(self, name)
@@ -45,3 +49,14 @@ class AttentionMetadata:
                 f"attention backend {backend!r} read metadata field {name!r}, which it does not "
                 "declare in its padding policy, so the runner did not build it")
         return value
+
+    def per_step(self, key: Hashable, build: Callable[[], Any]) -> Any:
+        """``build()`` once per step under ``key`` (name it by everything ``build`` reads besides
+        this metadata, e.g. block size and dtype); later layers get the same tensors.
+
+        Under ``torch.compile`` the dict lives only while the step is traced, so the graph computes
+        the value once and feeds it to every layer; inside a CUDA graph it is recomputed on each
+        replay like any other op of the step."""
+        if key not in self.cache:
+            self.cache[key] = build()
+        return self.cache[key]

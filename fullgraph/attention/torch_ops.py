@@ -15,23 +15,45 @@ import torch.nn.functional as F
 KeepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def write_index(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(safe, valid) for :func:`write_kv_indexed`: -1 slots pointed at slot 0, and which are real.
+
+    Depends only on the step, so a backend computes it once and reuses it in every layer.
+    """
+    return slot_mapping.clamp(min=0), slot_mapping >= 0                  # (T,) int64, (T,) bool
+
+
+@torch.library.custom_op("fullgraph::write_kv_indexed", mutates_args=("kv_cache",))
+def write_kv_indexed(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, safe: torch.Tensor,
+                     valid: torch.Tensor) -> None:
+    """Write new keys/values at ``safe`` where ``valid``; elsewhere the cache stays byte-identical.
+
+    kv_cache: (2, num_blocks, block_size, KVH, D); k, v: (T, KVH, D); safe, valid: (T,) from
+    :func:`write_index`. A masked scatter would need a data-dependent shape, so skipped tokens
+    are pointed at slot 0 and write back the value already there (same bytes; real tokens never
+    use the null block). Four kernels: stack, gather old, select, scatter. A custom op, so
+    ``torch.compile`` keeps it one in-place write instead of functionalising a scatter into the
+    whole cache.
+    """
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    flat = kv_cache.view(2, -1, num_kv_heads, head_dim)      # (2, num_slots, KVH, D)
+    new = torch.stack((k, v)).to(kv_cache.dtype)               # (2, T, KVH, D)
+    flat[:, safe] = torch.where(valid[None, :, None, None], new, flat[:, safe])
+
+
+@write_kv_indexed.register_fake
+def _(kv_cache, k, v, safe, valid):
+    return None
+
+
 @torch.library.custom_op("fullgraph::write_kv_reference", mutates_args=("kv_cache",))
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write new keys/values at their slots; a slot of -1 leaves the cache byte-identical.
 
     kv_cache: (2, num_blocks, block_size, KVH, D); k, v: (T, KVH, D); slot_mapping: (T,) int64.
-    A masked scatter would need a data-dependent shape, so skipped tokens are pointed at slot 0
-    and write back the value already there (same bytes; real tokens never use the null block).
-    A custom op, so ``torch.compile`` keeps it one in-place write instead of functionalising a
-    scatter into the whole cache.
+    :func:`write_kv_indexed` with the index derived here, for callers that do not share it.
     """
-    num_kv_heads, head_dim = kv_cache.shape[-2:]
-    flat = kv_cache.view(2, -1, num_kv_heads, head_dim)      # (2, num_slots, KVH, D)
-    valid = slot_mapping >= 0
-    safe = torch.where(valid, slot_mapping, torch.zeros_like(slot_mapping))
-    new = torch.stack((k, v)).to(kv_cache.dtype)               # (2, T, KVH, D)
-    old = flat[:, safe]
-    flat[:, safe] = torch.where(valid[None, :, None, None], new, old)
+    write_kv_indexed(kv_cache, k, v, *write_index(slot_mapping))
 
 
 @write_kv.register_fake
@@ -130,4 +152,103 @@ def paged_attention_op(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc:
 
 @paged_attention_op.register_fake
 def _(q, kv_cache, query_start_loc, seq_lens, block_table, scale, decode_only, sparse=None):
+    return torch.empty_like(q)
+
+
+# ---- decode-only fast path ------------------------------------------------------------------
+# A decode step (one new token per request, T == R) needs no causal mask, no query grouping and
+# no zeroing of keys: per layer it is one gather of K/V plus one attention computation. Everything
+# that depends only on the step (which slot each key comes from, which keys are masked) is built
+# once per step by ``decode_index`` and shared by every layer.
+
+
+@torch.library.custom_op("fullgraph::reference_decode_index", mutates_args=())
+def decode_index(seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: int, num_kv_heads: int,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-step gather rows and additive bias for :func:`decode_attention_op`.
+
+    seq_lens: (R,); block_table: (R, MB). Returns ``rows`` (R, KVH, L) int64, L = MB * block_size:
+    the row of ``kv_cache.view(2, -1, D)`` holding key l of head h of request r, so one gather
+    yields K/V in the (R * KVH, L, D) layout the batched matmuls take without a copy; and ``bias``
+    (R * KVH, 1, L) in ``dtype``: 0 for l < max(seq_len, 1), -inf after.
+
+    Masking alone cannot hide a key: 0 * NaN is NaN, so a masked key whose K or V is NaN (the
+    strict-mode null block, a stale slot) would still poison the row. Keys past ``seq_len`` are
+    therefore gathered from the request's own position 0, which it has always written. A padded
+    request (seq_len 0) keeps key 0 so its softmax row is never empty, and reads request 0's
+    position 0 (written whenever the step has a real request, since padding comes last): its
+    output is finite garbage, never NaN, although it is not the zeros of the general path.
+    """
+    num_reqs, max_blocks = block_table.shape
+    seq_len_max = max_blocks * block_size
+    device, table = block_table.device, block_table.long()      # int64 once: no per-op casts
+    # row of (block b, offset o, head h) = (b * block_size + o) * KVH + h = b * stride + within[h, o]
+    stride = block_size * num_kv_heads
+    within = torch.arange(stride, device=device).view(block_size, num_kv_heads).t().contiguous()  # (KVH, bs)
+    rows = torch.add(within[None, :, None, :], table[:, None, :, None], alpha=stride)  # (R, KVH, MB, bs)
+    first = torch.where(seq_lens[:, None] > 0, table[:, :1], table[:1, :1])            # (R, 1) block of position 0
+    first = torch.add(within[None, :, :1], first[:, :, None], alpha=stride)            # (R, KVH, 1)
+    pos = torch.arange(seq_len_max, device=device, dtype=seq_lens.dtype)                # (L,)
+    live = (pos < seq_lens[:, None])[:, None, :]                                        # (R, 1, L)
+    rows = torch.where(live, rows.reshape(num_reqs, num_kv_heads, seq_len_max), first)  # (R, KVH, L)
+    keep = (pos < seq_lens.clamp(min=1)[:, None])[:, None, None, :]                     # (R, 1, 1, L)
+    bias = torch.where(keep.expand(num_reqs, num_kv_heads, 1, seq_len_max),
+                       torch.zeros((), dtype=dtype, device=device), float("-inf"))       # (R, KVH, 1, L)
+    return rows, bias.view(num_reqs * num_kv_heads, 1, seq_len_max)
+
+
+@decode_index.register_fake
+def _(seq_lens, block_table, block_size, num_kv_heads, dtype):
+    num_reqs, max_blocks = block_table.shape
+    seq_len_max = max_blocks * block_size
+    rows = block_table.new_empty((num_reqs, num_kv_heads, seq_len_max), dtype=torch.int64)
+    return rows, block_table.new_empty((num_reqs * num_kv_heads, 1, seq_len_max), dtype=dtype)
+
+
+def _attend_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """Explicit math, four kernels: bias copy + QK^T (baddbmm), softmax, PV. Its grid covers
+    every (request, KV head, key), where the memory-efficient SDPA kernel loops over L serially
+    in only R * KVH programs. Scores are in the cache dtype (softmax accumulates in float32)."""
+    scores = torch.baddbmm(bias, q, k.transpose(1, 2), alpha=scale)           # (R*KVH, G, L)
+    return torch.bmm(scores.softmax(-1), v)                                    # (R*KVH, G, D)
+
+
+def _attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """One ``F.scaled_dot_product_attention`` call, with R * KVH as the head axis of a batch of
+    one (the fused CUDA kernels take only 4-D inputs). With a float mask CUDA picks the
+    memory-efficient kernel: R * KVH programs, each looping over L."""
+    out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=bias[None], scale=scale)
+    return out[0]                                                              # (R*KVH, G, D)
+
+
+# How the decode fast path computes attention. "matmul" launches more kernels but spreads the
+# keys over the whole GPU; "sdpa" is one kernel. Which is faster depends on R, L and the GPU:
+# benchmark both (tests cover both).
+DECODE_ATTENTION = "matmul"
+_DECODE_ATTENTION = {"matmul": _attend_matmul, "sdpa": _attend_sdpa}
+
+
+@torch.library.custom_op("fullgraph::paged_decode_reference", mutates_args=())
+def decode_attention_op(q: torch.Tensor, kv_cache: torch.Tensor, rows: torch.Tensor, bias: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """Decode attention (one new token per request) over the rows of :func:`decode_index`.
+
+    q: (R, H, D); kv_cache: (2, NB, bs, KVH, D). Returns (R, H, D). One gather of K and V, then
+    ``DECODE_ATTENTION``'s computation with the query heads of each KV group as the query axis
+    (GQA without copying K/V). Padded rows are finite garbage (see :func:`decode_index`).
+    """
+    num_reqs, num_heads, head_dim = q.shape
+    num_kv_heads, seq_len_max = rows.shape[1:]
+    kv = kv_cache.view(2, -1, head_dim)[:, rows]                                # (2, R, KVH, L, D)
+    k = kv[0].reshape(num_reqs * num_kv_heads, seq_len_max, head_dim)             # views: kv is contiguous
+    v = kv[1].reshape(num_reqs * num_kv_heads, seq_len_max, head_dim)
+    qg = q.reshape(num_reqs * num_kv_heads, num_heads // num_kv_heads, head_dim).to(k.dtype)
+    out = _DECODE_ATTENTION[DECODE_ATTENTION](qg, k, v, bias, scale)           # (R*KVH, G, D)
+    return out.reshape(num_reqs, num_heads, head_dim).to(q.dtype)
+
+
+@decode_attention_op.register_fake
+def _(q, kv_cache, rows, bias, scale):
     return torch.empty_like(q)

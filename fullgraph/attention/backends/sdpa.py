@@ -1,9 +1,16 @@
 """``sdpa``: the plain-PyTorch reference backend (CPU and GPU, capture-safe).
 
-Gathers each request's pages through ``block_table`` at the static width MB, masks from
-positions derived on the device (``seq_lens`` and ``query_start_loc``), and calls
-``F.scaled_dot_product_attention``. Slow next to the kernels, but short enough to trust; every
+Mixed and prefill steps gather each request's pages through ``block_table`` at the static width
+MB, mask from positions derived on the device (``seq_lens`` and ``query_start_loc``), and call
+``F.scaled_dot_product_attention``: slow next to the kernels, but short enough to trust; every
 other backend is tested against it.
+
+Decode-only steps take a fast path, because inside a graph each small kernel costs a few
+microseconds and the general path launches dozens per layer. The gather rows and the mask bias
+(``torch_ops.decode_index``) and the KV-write index depend only on the step, so they are built
+once in the first layer and shared through ``metadata.per_step``; per layer only the KV write
+(four kernels), one gather of K/V and the attention itself remain. It agrees with the general
+path on every real row (tests check both against each other, NaN-poisoned cache included).
 """
 from __future__ import annotations
 
@@ -27,8 +34,16 @@ class SdpaBackend(AttentionBackend):
 
     def forward(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
-        torch_ops.write_kv(kv_cache, k, v, metadata.require("slot_mapping", self.name))
-        return torch_ops.paged_attention_op(
-            q, kv_cache, metadata.require("query_start_loc", self.name),
-            metadata.require("seq_lens", self.name), metadata.require("block_table", self.name),
-            layer.scale, metadata.decode_only)
+        slot_mapping = metadata.require("slot_mapping", self.name)
+        safe, valid = metadata.per_step("sdpa_write", lambda: torch_ops.write_index(slot_mapping))
+        torch_ops.write_kv_indexed(kv_cache, k, v, safe, valid)
+        seq_lens = metadata.require("seq_lens", self.name)
+        block_table = metadata.require("block_table", self.name)
+        if metadata.decode_only:
+            _, _, block_size, num_kv_heads, _ = kv_cache.shape
+            rows, bias = metadata.per_step(
+                ("sdpa_decode", block_size, num_kv_heads, kv_cache.dtype),
+                lambda: torch_ops.decode_index(seq_lens, block_table, block_size, num_kv_heads, kv_cache.dtype))
+            return torch_ops.decode_attention_op(q, kv_cache, rows, bias, layer.scale)
+        return torch_ops.paged_attention_op(q, kv_cache, metadata.require("query_start_loc", self.name),
+                                            seq_lens, block_table, layer.scale, False)
