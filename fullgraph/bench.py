@@ -3,6 +3,7 @@
     python -m fullgraph.bench decode --preset llama-1b --batch 1 32 --context 1024
     python -m fullgraph.bench capture --preset llama-1b
     python -m fullgraph.bench plan
+    python -m fullgraph.bench host --batch 1 32 256 --blocks 68
 """
 from __future__ import annotations
 
@@ -159,21 +160,75 @@ def bench_capture(args) -> list[dict]:
     return [row]
 
 
+def _median_us(fn, iters: int, warmup: int = 20) -> tuple[float, float]:
+    """Median and p90 wall time of ``fn()`` in microseconds."""
+    for _ in range(warmup):
+        fn()
+    t = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        t.append(time.perf_counter() - start)
+    return statistics.median(t) * 1e6, float(np.percentile(t, 90)) * 1e6
+
+
 def bench_plan(args) -> list[dict]:
     cfg = RunnerConfig(max_num_seqs=256, max_num_tokens=2048, max_model_len=4096, num_blocks=256 * 256 + 1)
     policy = padding.get_policy("sdpa")
     rows = []
     for n in (1, 32, 256):
         chunks = [SeqChunk([i % 100], 1000 + i, list(range(1 + 256 * i, 1 + 256 * i + 80))) for i in range(n)]
-        for _ in range(20):
-            plan_step(chunks, cfg, policy, vocab_size=1000)
-        t = []
-        for _ in range(200):
+        median, p90 = _median_us(lambda: plan_step(chunks, cfg, policy, vocab_size=1000), 200)
+        rows.append({"decode_chunks": n, "plan_us_median": median, "plan_us_p90": p90})
+    _table(rows, list(rows[0]))
+    return rows
+
+
+def bench_host(args) -> list[dict]:
+    """Host time of a decode step: ``plan_step`` alone, ``copy_in`` alone, and ``runner.step``
+    split at the launch. On CUDA the graph replays for real (``step_us`` is host time: nothing
+    waits for the device); on CPU the padded forward is replaced by a no-op, as cheap as a launch.
+    """
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    model = _presets()[args.preset](dtype=torch.bfloat16 if cuda else torch.float32, device=device, seed=0)
+    max_batch, bs = max(args.batch), 16
+    runner = FullGraphRunner(model, max_num_seqs=max_batch, max_num_tokens=max(max_batch, 16),
+                             max_model_len=-(-(args.blocks * bs + 1) // 256) * 256, block_size=bs,
+                             cudagraph="full" if cuda else "padded", attention=args.attention,
+                             capture_sizes=tuple(args.batch))
+    runner.warmup()
+    cfg, launched = runner.config, []
+    # measurement only: note when the step reaches its launch
+    if cuda:
+        replay = runner._graphs.replay
+        runner._graphs.replay = lambda key: (launched.append(time.perf_counter()), replay(key))
+    else:
+        runner._run_static = lambda key, num_reqs: launched.append(time.perf_counter())
+    blocks = [runner.blocks.allocate(args.blocks) for _ in range(max_batch)]
+    context = (args.blocks - 1) * bs  # the new token lands on the last page
+    rows = []
+    for batch in args.batch:
+        chunks = [SeqChunk([(7 * r) % 500], context, blocks[r]) for r in range(batch)]
+
+        def plan():
+            return plan_step(chunks, cfg, runner.policy, num_blocks=cfg.num_blocks, vocab_size=runner.vocab_size)
+
+        plan_us, plan_p90 = _median_us(plan, args.iters)
+        planned = plan()
+        copy_us, _ = _median_us(lambda: runner.buffers.copy_in(planned), args.iters)
+        pre, step = [], []
+        for i in range(args.iters + 20):
+            _sync(device)
             start = time.perf_counter()
-            plan_step(chunks, cfg, policy, vocab_size=1000)
-            t.append(time.perf_counter() - start)
-        rows.append({"decode_chunks": n, "plan_us_median": statistics.median(t) * 1e6,
-                     "plan_us_p90": np.percentile(t, 90) * 1e6})
+            runner.step(chunks)
+            end = time.perf_counter()
+            if i >= 20:
+                pre.append(launched[-1] - start)
+                step.append(end - start)
+        rows.append({"batch": batch, "blocks": args.blocks, "mode": cfg.cudagraph, "plan_us": plan_us,
+                     "plan_p90_us": plan_p90, "copy_in_us": copy_us, "pre_launch_us": statistics.median(pre) * 1e6,
+                     "pre_launch_p90_us": float(np.percentile(pre, 90)) * 1e6, "step_us": statistics.median(step) * 1e6})
     _table(rows, list(rows[0]))
     return rows
 
@@ -206,10 +261,16 @@ def main(argv: list[str] | None = None) -> None:
     c.add_argument("--attention", default="auto")
     c.add_argument("--compile", action="store_true")
     sub.add_parser("plan", help="host planning cost of decode batches")
-    for p in (d, c, sub.choices["plan"]):
+    h = sub.add_parser("host", help="host cost of a decode step: plan, copy_in, everything before the launch")
+    h.add_argument("--preset", default="toy", choices=sorted(_presets()))
+    h.add_argument("--attention", default="auto")
+    h.add_argument("--batch", type=int, nargs="+", default=[1, 32, 256])
+    h.add_argument("--blocks", type=int, default=68, help="KV pages passed per chunk")
+    h.add_argument("--iters", type=int, default=400)
+    for p in (d, c, sub.choices["plan"], h):
         p.add_argument("--out", default=None, help="JSON output path")
     args = parser.parse_args(argv)
-    rows = {"decode": bench_decode, "capture": bench_capture, "plan": bench_plan}[args.command](args)
+    rows = {"decode": bench_decode, "capture": bench_capture, "plan": bench_plan, "host": bench_host}[args.command](args)
     out = args.out or f"bench_{args.command}.json"
     with open(out, "w") as f:
         json.dump({"command": args.command, "device": torch.cuda.get_device_name() if torch.cuda.is_available()

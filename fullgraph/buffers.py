@@ -1,8 +1,9 @@
 """StaticBuffers: the persistent, max-size device buffers a captured graph reads.
 
-Allocated once; their addresses never change (a graph replays raw pointers). ``copy_in`` is the
-only writer: it fills a host staging area with the padded plan and moves it to the device in two
-copies (one int64 group, one int32 group). On a CPU device the staging area *is* the buffer.
+Allocated once; their addresses never change (a graph replays raw pointers). Every step input lives
+in one byte buffer, mirrored by one pinned host staging area, so a step costs one host-to-device
+copy: the planner writes the padded plan straight into the staging area (``staging``), and
+``upload`` sends it. On a CPU device the staging area *is* the buffer.
 """
 from __future__ import annotations
 
@@ -12,10 +13,9 @@ import numpy as np
 import torch
 
 from .config import RunnerConfig
-from .plan import StepPlan
+from .plan import StepPlan, array_shapes
 
-_INT64 = ("input_ids", "positions", "slot_mapping", "logits_indices")
-_INT32 = ("query_start_loc", "seq_start_loc", "seq_lens", "block_table")
+_TORCH = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
 
 
 @dataclass
@@ -33,19 +33,16 @@ class BufferViews:
     logits: torch.Tensor           # (R, vocab) float32, the graph's output
 
 
-def _layout(config: RunnerConfig) -> dict[str, tuple[int, int, tuple[int, ...]]]:
-    """field -> (offset, numel, shape) inside its dtype group."""
-    t, r, mb = config.max_num_tokens, config.max_num_seqs, config.max_blocks_per_seq
-    shapes = {"input_ids": (t,), "positions": (t,), "slot_mapping": (t,), "logits_indices": (r,),
-              "query_start_loc": (r + 1,), "seq_start_loc": (r + 1,), "seq_lens": (r,), "block_table": (r, mb)}
-    out = {}
-    for group in (_INT64, _INT32):
-        offset = 0
-        for name in group:
-            numel = int(np.prod(shapes[name]))
-            out[name] = (offset, numel, shapes[name])
-            offset += numel
-    return out
+def _layout(config: RunnerConfig) -> tuple[dict[str, tuple[slice, tuple[int, ...], np.dtype]], int]:
+    """field -> (bytes, shape, dtype) in the one buffer, and its size in bytes. The int64 fields
+    come first, so every field is aligned to its element size."""
+    shapes = array_shapes(config.max_num_tokens, config.max_num_seqs, config.max_blocks_per_seq)
+    out, offset = {}, 0
+    for name, (shape, dtype) in sorted(shapes.items(), key=lambda item: -np.dtype(item[1][1]).itemsize):
+        dtype = np.dtype(dtype)
+        end = offset + int(np.prod(shape)) * dtype.itemsize
+        out[name], offset = (slice(offset, end), shape, dtype), end
+    return out, offset
 
 
 class StaticBuffers:
@@ -53,39 +50,50 @@ class StaticBuffers:
 
     def __init__(self, config: RunnerConfig, vocab_size: int, device: torch.device) -> None:
         self.config, self.device = config, torch.device(device)
-        self._layout = _layout(config)
-        sizes = {g: sum(self._layout[n][1] for n in names) for g, names in (("i64", _INT64), ("i32", _INT32))}
-        self._dev = {"i64": torch.zeros(sizes["i64"], dtype=torch.int64, device=self.device),
-                     "i32": torch.zeros(sizes["i32"], dtype=torch.int32, device=self.device)}
+        layout, nbytes = _layout(config)
         on_cuda = self.device.type == "cuda"
-        self._host = {g: torch.zeros_like(t, device="cpu").pin_memory() if on_cuda else t for g, t in self._dev.items()}
-        self._host_np = {g: t.numpy() for g, t in self._host.items()}
-        self._copied = torch.cuda.Event() if on_cuda else None
-        self.tensors = {name: self._view(self._dev, name) for name in _INT64 + _INT32}
-        self._staging = [(name, self._view(self._host_np, name)) for name in _INT64 + _INT32]
+        self._dev = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+        self._host = torch.zeros(nbytes, dtype=torch.uint8).pin_memory() if on_cuda else self._dev
+        host = self._host.numpy()
+        self.tensors = {name: self._dev[b].view(_TORCH[dt]).view(shape) for name, (b, shape, dt) in layout.items()}
+        self._staging = {name: host[b].view(dt).reshape(shape) for name, (b, shape, dt) in layout.items()}
         self.logits = torch.zeros(config.max_num_seqs, vocab_size, dtype=torch.float32, device=self.device)
+        self._copied = torch.cuda.Event() if on_cuda else None
+        if on_cuda:
+            self._device_index = torch.cuda.current_device() if self.device.index is None else self.device.index
+            self._stream_key, self._stream = None, None
 
-    def _view(self, groups: dict, name: str):
-        offset, numel, shape = self._layout[name]
-        group = groups["i64" if name in _INT64 else "i32"]
-        return group[offset: offset + numel].view(shape) if isinstance(group, torch.Tensor) \
-            else group[offset: offset + numel].reshape(shape)
+    def staging(self) -> dict[str, np.ndarray]:
+        """The max-size host arrays ``upload`` sends (``plan_step``'s ``out``), once the previous
+        upload has left them. What is written there lasts until the next ``staging`` or ``copy_in``."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self._staging
+
+    def upload(self) -> None:
+        """Send the staging area to the device buffers (asynchronous; a no-op on CPU)."""
+        if self._copied is not None:
+            self._dev.copy_(self._host, non_blocking=True)
+            self._copied.record(self._current_stream())
+
+    def _current_stream(self) -> torch.cuda.Stream:
+        """The stream the copy went to, rebuilt only when it changes: ``torch.cuda.current_stream()``
+        spends ~4 us of host time building a Stream object on every call."""
+        key = torch._C._cuda_getCurrentStream(self._device_index)
+        if key != self._stream_key:
+            self._stream_key, self._stream = key, torch.cuda.current_stream(self._device_index)
+        return self._stream
 
     def copy_in(self, plan: StepPlan) -> None:
-        """Write the plan (live prefix and padded tail) into the buffers."""
+        """Write a plan made elsewhere (live prefix and padded tail) into the buffers."""
         t, r = plan.num_tokens_padded, plan.num_reqs_padded
         if t > self.config.max_num_tokens or r > self.config.max_num_seqs:
             raise ValueError(f"plan of {t} tokens / {r} requests exceeds the static buffers "
                              f"({self.config.max_num_tokens} / {self.config.max_num_seqs})")
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous step's copy must have left the staging area
-        for name, staging in self._staging:
+        for name, staging in self.staging().items():
             src = getattr(plan, name)
             staging[: len(src)] = src
-        if self._copied is not None:
-            for group in ("i64", "i32"):
-                self._dev[group].copy_(self._host[group], non_blocking=True)
-            self._copied.record()
+        self.upload()
 
     def views(self, num_tokens: int, num_reqs: int) -> BufferViews:
         b = self.tensors
@@ -97,7 +105,7 @@ class StaticBuffers:
 
     def poison(self, num_tokens: int, num_reqs: int, garbage: int) -> None:
         """Strict mode: garbage past the bucket (T tokens, R requests) and NaN logits, so a kernel
-        reading past its bucket or a real row left unwritten shows. Call after ``copy_in``."""
+        reading past its bucket or a real row left unwritten shows. Call after ``upload``."""
         for name, buf in self.tensors.items():
             start = num_tokens if name in ("input_ids", "positions", "slot_mapping") else num_reqs
             buf[start + (name in ("query_start_loc", "seq_start_loc")):] = garbage

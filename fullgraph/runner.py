@@ -11,7 +11,7 @@ from torch import nn
 
 from . import padding
 from .attention import AttentionMetadata
-from .attention.backends import BackendLimits, resolve_backends
+from .attention.backends import AttentionBackend, BackendLimits, resolve_backends
 from .buffers import StaticBuffers
 from .compile import CompiledStep
 from .config import RunnerConfig, resolve_mode
@@ -66,6 +66,9 @@ class FullGraphRunner:
         self.config = config.replace(num_blocks=num_blocks, attention=dense_name)
         unique = list({id(b): b for b in self.backends.values()}.values())
         self.policy = padding.compose(*(b.policy for b in unique))
+        # only backends that can refuse a step are asked, every step
+        self._step_checks = [b for b in unique if type(b).step_unsupported_reason
+                             is not AttentionBackend.step_unsupported_reason]
         self.kv_caches = allocate_kv_caches([KVCacheSpec(l.num_kv_heads, l.head_dim) for l in layers],
                                             num_blocks, config.block_size, self.dtype, self.device)
         self.blocks = BlockAllocator(num_blocks)
@@ -85,10 +88,13 @@ class FullGraphRunner:
         """Run one step; returns the logits of each chunk's last token."""
         cfg = self.config
         pad = cfg.cudagraph != "none"
-        if self._compiled is not None and not self._warm:
-            self.warmup()
-        plan = plan_step(chunks, cfg, self.policy, pad=pad, num_blocks=cfg.num_blocks, vocab_size=self.vocab_size)
-        for backend in self.backends.values():
+        if not self._warm and (self._compiled is not None or self._graphs is not None):
+            self.warmup()  # compile / capture first: they run their own plans through the staging area
+        # padded: planned straight into the staging area. A step refused below leaves it unsent (on
+        # CPU it is the buffers themselves, but every step rewrites all of its own bucket).
+        plan = plan_step(chunks, cfg, self.policy, pad=pad, num_blocks=cfg.num_blocks, vocab_size=self.vocab_size,
+                         out=self.buffers.staging() if pad else None)
+        for backend in self._step_checks:
             reason = backend.step_unsupported_reason(plan)
             if reason:
                 raise ValueError(f"attention backend {backend.name!r} cannot run this step: {reason}")
@@ -103,8 +109,8 @@ class FullGraphRunner:
 
     def _run_padded(self, plan: StepPlan) -> tuple[torch.Tensor, str]:
         key = plan.key
-        graph = self.config.cudagraph == "full" and self._graph_for(key, plan)
-        self.buffers.copy_in(plan)
+        graph = self._graphs is not None and self._graph_for(key, plan)
+        self.buffers.upload()
         if self._strict is not None:
             if graph:
                 self._graphs.check_addresses(self._addresses())
@@ -119,8 +125,6 @@ class FullGraphRunner:
         return logits, "full" if graph else "padded"
 
     def _graph_for(self, key: GraphKey, plan: StepPlan) -> bool:
-        if self._capture_report is None:
-            self.capture()
         if key in self._graphs:
             return True
         if plan.num_tokens_padded > self.config.buckets[-1]:

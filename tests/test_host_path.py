@@ -1,0 +1,132 @@
+"""The per-step host path: planning straight into a staging area, the decode layout, large batches
+(the bulk conversion and the duplicate check), and a backend's refusal before anything runs."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import fullgraph as fg
+from fullgraph.attention.backends import register_backend
+from fullgraph.attention.backends.sdpa import SdpaBackend
+from fullgraph.padding import check, get_policy
+from fullgraph.plan import array_shapes
+from harness import toy_model
+from test_plan import CFG, naive_layout, random_chunks
+
+# 64 decode chunks of up to 64 pages: thousands of block ids in one step
+BIG = fg.RunnerConfig(max_num_seqs=64, max_num_tokens=256, max_model_len=1024, block_size=16, num_blocks=64 * 64 + 1)
+TAIL_ONE = fg.PaddingPolicy("tail_one_host_path", reads=frozenset({"seq_lens"}), tails={"seq_lens": 1, "input_ids": 3})
+
+
+def decode_chunks(rng: np.random.Generator, n: int, cfg: fg.RunnerConfig = BIG) -> list[fg.SeqChunk]:
+    pool = list(rng.permutation(np.arange(1, cfg.num_blocks)))
+    chunks = []
+    for i in range(n):
+        start = int(rng.integers(0, cfg.max_model_len))
+        need = min(start // cfg.block_size + 1 + int(rng.integers(0, 3)), cfg.max_blocks_per_seq)
+        chunks.append(fg.SeqChunk([int(rng.integers(0, 100))], start, [int(pool.pop()) for _ in range(need)]))
+    return chunks
+
+
+def garbage_arrays(cfg: fg.RunnerConfig) -> dict[str, np.ndarray]:
+    shapes = array_shapes(cfg.max_num_tokens, cfg.max_num_seqs, cfg.max_blocks_per_seq)
+    return {name: np.full(shape, -7, dtype) for name, (shape, dtype) in shapes.items()}
+
+
+def assert_same_plan(got: fg.StepPlan, want: fg.StepPlan) -> None:
+    for name in array_shapes(1, 1, 1):
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+    assert (got.key, got.num_reqs, got.num_reqs_padded, got.max_query_len, got.max_seq_len) == \
+        (want.key, want.num_reqs, want.num_reqs_padded, want.max_query_len, want.max_seq_len)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_planning_into_staging_arrays_writes_the_whole_padded_plan(seed):
+    rng = np.random.default_rng(seed)
+    chunks = random_chunks(rng) if seed % 2 else decode_chunks(rng, int(rng.integers(1, 9)), CFG)
+    policy = get_policy("sdpa")
+    out = garbage_arrays(CFG)
+    got = fg.plan_step(chunks, CFG, policy, out=out)
+    assert_same_plan(got, fg.plan_step(chunks, CFG, policy))
+    assert all(np.shares_memory(getattr(got, name), out[name]) for name in out)
+
+
+@pytest.mark.parametrize("policy", [get_policy("sdpa"), TAIL_ONE], ids=["sdpa", "tail_one"])
+@pytest.mark.parametrize("n", [1, 5, 32, 64])
+def test_decode_batches_lay_out_like_the_naive_loop(n, policy):
+    chunks = decode_chunks(np.random.default_rng(n), n)
+    plan = fg.plan_step(chunks, BIG, policy, vocab_size=100)
+    check(plan, policy)
+    positions, slots, ids, last = naive_layout(chunks, BIG)
+    assert plan.decode_only and plan.max_query_len == 1
+    assert plan.max_seq_len == max(c.start_pos for c in chunks) + 1
+    np.testing.assert_array_equal(plan.positions[:n], positions)
+    np.testing.assert_array_equal(plan.slot_mapping[:n], slots)
+    np.testing.assert_array_equal(plan.input_ids[:n], ids)
+    np.testing.assert_array_equal(plan.logits_indices[:n], last)
+    np.testing.assert_array_equal(plan.query_start_loc[: n + 1], np.arange(n + 1))
+    np.testing.assert_array_equal(plan.seq_lens[:n], [c.start_pos + 1 for c in chunks])
+    for r, c in enumerate(chunks):
+        np.testing.assert_array_equal(plan.block_table[r, : len(c.block_ids)], c.block_ids)
+        assert not plan.block_table[r, len(c.block_ids):].any()
+
+
+@pytest.mark.parametrize("n", [1, 64])  # a few and thousands of block ids
+def test_ids_as_numpy_arrays_or_tuples_plan_as_lists_do(n):
+    chunks = decode_chunks(np.random.default_rng(1), n)
+    policy = get_policy("sdpa")
+    want = fg.plan_step(chunks, BIG, policy)
+    for convert in (np.asarray, tuple, lambda ids: np.asarray(ids, np.int32)):
+        other = [fg.SeqChunk(convert(c.token_ids), c.start_pos, convert(c.block_ids)) for c in chunks]
+        assert_same_plan(fg.plan_step(other, BIG, policy), want)
+
+
+def test_bad_ids_in_a_large_batch_name_the_chunk():
+    chunks = decode_chunks(np.random.default_rng(2), 64)
+    policy = get_policy("sdpa")
+    shared = chunks[3].block_ids[-1]
+    dup = chunks[:60] + [fg.SeqChunk([1], 0, [shared], request_id="late")] + chunks[61:]
+    with pytest.raises(ValueError, match=f"chunk 60 \\(request 'late'\\): block_ids: block {shared} is also used by chunk 3"):
+        fg.plan_step(dup, BIG, policy)
+    out_of_range = chunks[:-1] + [fg.SeqChunk([1], 0, [BIG.num_blocks])]
+    with pytest.raises(ValueError, match=f"chunk 63: block_ids: block id {BIG.num_blocks} is the null block"):
+        fg.plan_step(out_of_range, BIG, policy)
+
+
+def test_runner_plans_straight_into_its_buffers():
+    runner = fg.FullGraphRunner(toy_model(), max_num_seqs=8, max_num_tokens=64, max_model_len=256,
+                                cudagraph="padded", attention="sdpa")
+    a, b = runner.blocks.allocate(3), runner.blocks.allocate(2)
+    runner.step([fg.SeqChunk(list(range(20)), 0, a), fg.SeqChunk([4, 5, 6], 0, b)])
+    chunks = [fg.SeqChunk([7], 20, a), fg.SeqChunk([8], 3, b)]
+    runner.step(chunks)
+    want = fg.plan_step(chunks, runner.config, runner.policy)
+    for name, buf in runner.buffers.tensors.items():
+        planned = getattr(want, name)
+        np.testing.assert_array_equal(buf[: len(planned)].cpu().numpy(), planned, err_msg=name)
+
+
+class RefuseDecodeBackend(SdpaBackend):
+    """sdpa that refuses decode steps (as FlashAttention without paging refuses cached context)."""
+
+    name = "refuse_decode"
+    policy = fg.PaddingPolicy("refuse_decode", reads=SdpaBackend.policy.reads)
+
+    def step_unsupported_reason(self, plan) -> str | None:
+        return "no decode steps here" if plan.decode_only else None
+
+
+def test_a_refused_step_changes_nothing_and_the_next_one_runs():
+    register_backend(RefuseDecodeBackend)
+    runner = fg.FullGraphRunner(toy_model(), max_num_seqs=4, max_num_tokens=64, max_model_len=128,
+                                cudagraph="padded", attention="refuse_decode")
+    ids = runner.blocks.allocate(2)
+    runner.step([fg.SeqChunk([1, 2, 3], 0, ids)])
+    kv = [c.clone() for c in runner.kv_caches]
+    stats = runner.stats()
+    with pytest.raises(ValueError, match="'refuse_decode' cannot run this step: no decode steps here"):
+        runner.step([fg.SeqChunk([4], 3, ids)])
+    assert runner.stats() == stats and all(torch.equal(x, y) for x, y in zip(kv, runner.kv_caches))
+    out = runner.step([fg.SeqChunk([4, 5], 3, ids)])
+    assert out.num_tokens == 2 and torch.isfinite(out.logits).all()
