@@ -7,7 +7,7 @@ Algorithm: FlashAttention-2 forward (online softmax in base 2) over a paged KV c
   ``m -> (token m // GROUP, head m % GROUP)`` of a BLOCK_M-row score tile. Each K/V tile it loads
   serves all GROUP heads (GROUP times less KV traffic than one program per query head).
 * The grid comes from static sizes only: ``(T // BLOCK_Q + R + 1) * KVH`` programs for a mixed
-  step, ``R * KVH`` for a decode step (BLOCK_Q = 1, token i is request i), times num_splits.
+  step, ``R * KVH`` for a decode step (BLOCK_Q = 1, token i is request i), times NUM_SPLITS.
   A program finds its request by binary-searching ``tile_start[r] = query_start_loc[r] // BLOCK_Q
   + r`` on the device. That sequence is strictly increasing only while ``query_start_loc`` is
   non-decreasing: a padded tail of -1 sends programs to the wrong request. Index R is the padding
@@ -19,8 +19,8 @@ Algorithm: FlashAttention-2 forward (online softmax in base 2) over a paged KV c
   ``other=0`` and set scores with ``where(mask, s, -inf)``, so stale or NaN cache memory (the null
   block, pages past seq_len) never reaches an output row.
 * Split-KV (decode only): split s of a request covers key tiles ``[s*per, (s+1)*per)``,
-  ``per = cdiv(cdiv(seq_len, BLOCK_N), num_splits)``, and writes its normalised partial output and
-  log2-sum-exp (float32) to caller-owned workspaces; ``split_kv_reduce`` merges them. num_splits
+  ``per = cdiv(cdiv(seq_len, BLOCK_N), NUM_SPLITS)``, and writes its normalised partial output and
+  log2-sum-exp (float32) to caller-owned workspaces; ``split_kv_reduce`` merges them. NUM_SPLITS
   is chosen by :func:`num_kv_splits` from static sizes only, never from ``seq_lens`` values.
 
 Layout contract (T tokens, R requests, padded sizes; the launcher checks shapes):
@@ -28,7 +28,7 @@ Layout contract (T tokens, R requests, padded sizes; the launcher checks shapes)
     kv_cache:        (2, num_blocks, PAGE_SIZE, KVH, D), q's dtype, ``stride(-1) == 1``
     query_start_loc: (R + 1,) int32, non-decreasing, ``[R] <= T``; seq_lens: (R,) int32
     block_table:     (R, MB) int32; part_out / part_lse: flat float32 workspaces of at least
-                     ``R * num_splits * H * next_pow2(D)`` / ``R * num_splits * H`` elements.
+                     ``R * NUM_SPLITS * H * next_pow2(D)`` / ``R * NUM_SPLITS * H`` elements.
 Every output row is written: tokens of no request (padding) get zeros.
 """
 from __future__ import annotations
@@ -108,22 +108,20 @@ def _attend(acc, l_i, m_i, q, kv_ptr, table_ptr, start, seq_len, pos, qk_scale,
     return acc, l_i, m_new
 
 
-# Counts that differ per captured bucket are runtime values, not specialised on: one compiled
-# variant serves every bucket (each extra variant costs about a second of capture).
-@triton.jit(do_not_specialize=["num_tokens", "num_reqs", "num_tiles", "num_splits"])
+@triton.jit
 def _paged_attention_kernel(
         # pointers
         out_ptr, q_ptr, kv_ptr, query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
         part_out_ptr, part_lse_ptr,
         # sizes
-        num_tokens, num_reqs, num_tiles, num_kv_heads, max_kv_len, num_splits, qk_scale,
+        num_tokens, num_reqs, num_tiles, num_kv_heads, max_kv_len, qk_scale,
         # strides (elements)
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kv, stride_kb, stride_ks, stride_kh, stride_bt,
         # meta
         GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
-        DECODE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        NUM_SPLITS: tl.constexpr, DECODE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     pid = tl.program_id(0)
     kv_head = pid % num_kv_heads
     tile = num_tiles - 1 - pid // num_kv_heads   # last (longest) query tiles launch first
@@ -162,8 +160,8 @@ def _paged_attention_kernel(
     hi = tl.maximum(tl.minimum(pos0 + tl.minimum(BLOCK_Q, q_end - q0), seq_len), 0)
     full = (tl.maximum(tl.minimum(pos0 + 1, hi), 0) // BLOCK_N) * BLOCK_N
     lo = 0
-    if num_splits > 1:
-        per = tl.cdiv(tl.cdiv(hi, BLOCK_N), num_splits) * BLOCK_N
+    if NUM_SPLITS > 1:
+        per = tl.cdiv(tl.cdiv(hi, BLOCK_N), NUM_SPLITS) * BLOCK_N
         lo = split * per
         hi = tl.minimum(hi, lo + per)
     mid = tl.minimum(tl.maximum(full, lo), hi)
@@ -184,11 +182,11 @@ def _paged_attention_kernel(
 
     # Rows with no key (padding, empty split) have l_i == 0: output 0, log-sum-exp -inf.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    if num_splits == 1:
+    if NUM_SPLITS == 1:
         o_ptrs = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (d < HEAD_DIM)[None, :])
     else:
-        prow = ((req * num_splits + split) * (num_kv_heads * GROUP) + head).to(tl.int64)
+        prow = ((req * NUM_SPLITS + split) * (num_kv_heads * GROUP) + head).to(tl.int64)
         tl.store(part_out_ptr + prow[:, None] * HEAD_DIM_PAD + d[None, :], out, mask=row_ok[:, None])
         lse = tl.where(l_i > 0, m_i + tl.math.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + prow, lse, mask=row_ok)
@@ -238,7 +236,7 @@ def num_kv_splits(num_reqs: int, num_kv_heads: int, max_model_len: int, num_sms:
 
 
 def split_workspace_rows(max_num_seqs: int, num_kv_heads: int, max_model_len: int, num_sms: int) -> int:
-    """Largest R * num_splits over R <= max_num_seqs: the rows a persistent workspace needs."""
+    """Largest R * NUM_SPLITS over R <= max_num_seqs: the rows a persistent workspace needs."""
     return max(r * num_kv_splits(r, num_kv_heads, max_model_len, num_sms) for r in range(1, max_num_seqs + 1))
 
 
@@ -259,11 +257,11 @@ def _paged_attention_op(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc
     out = q.new_empty(q.shape)                                   # (T, H, D)
     _paged_attention_kernel[(num_tiles * num_kv_heads, num_splits)](
         out, q, kv_cache, query_start_loc, seq_lens, block_table, part_out, part_lse,
-        num_tokens, num_reqs, num_tiles, num_kv_heads, max_blocks * page_size, num_splits, scale * LOG2E,
+        num_tokens, num_reqs, num_tiles, num_kv_heads, max_blocks * page_size, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=page_size, DECODE=decode_only,
+        HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=page_size, NUM_SPLITS=num_splits, DECODE=decode_only,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages)
     if num_splits > 1:

@@ -3,11 +3,10 @@
 Algorithm: split s of request r produced a normalised partial output ``o_s`` and its log2-sum-exp
 ``lse_s`` (``-inf`` for an empty split). The merged row is ``sum_s w_s * o_s / sum_s w_s`` with
 ``w_s = exp2(lse_s - max_s lse_s)``; a request with no key at all (padding) gets zeros. One
-program per (request, query head). The split count is a runtime argument (one compiled variant
-for every bucket; the split axis is padded to at least MIN_SPLITS_PAD lanes).
+program per (request, query head); NUM_SPLITS is a launch constant.
 
 Layout contract (decode step: R == T, token r belongs to request r):
-    part_out: flat float32, row ``(r * num_splits + s) * H + h`` holds ``next_pow2(D)`` values
+    part_out: flat float32, row ``(r * NUM_SPLITS + s) * H + h`` holds ``next_pow2(D)`` values
     part_lse: flat float32, the same rows, one value each
     out:      (T, H, D), any float dtype, ``stride(-1) == 1``; rows 0 .. R-1 are written.
 """
@@ -18,26 +17,23 @@ import triton
 import triton.language as tl
 
 
-MIN_SPLITS_PAD = 16
-
-
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit
 def _split_kv_reduce_kernel(
         # pointers
         out_ptr, part_out_ptr, part_lse_ptr,
         # sizes
-        num_heads, num_splits,
+        num_heads,
         # strides (elements)
         stride_ot, stride_oh,
         # meta
-        SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
         HEAD_DIM_PAD: tl.constexpr):
     req = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, HEAD_DIM_PAD)
-    s_ok = s < num_splits
-    rows = ((req * num_splits + s) * num_heads + head).to(tl.int64)
+    s_ok = s < NUM_SPLITS
+    rows = ((req * NUM_SPLITS + s) * num_heads + head).to(tl.int64)
     lse = tl.load(part_lse_ptr + rows, mask=s_ok, other=float("-inf"))
     top = tl.max(lse, 0)
     w = tl.math.exp2(lse - tl.where(top == float("-inf"), 0.0, top))          # 0 for empty splits
@@ -53,7 +49,7 @@ def split_kv_reduce(*, out: torch.Tensor, part_out: torch.Tensor, part_lse: torc
                     num_splits: int) -> None:
     """Write ``out[r, h]`` for every request r < ``out.shape[0]`` from the split partials.
 
-    Capture-safe: the grid is ``(T, H)``; ``num_splits`` must be the count the partials were written with.
+    Capture-safe: the grid is ``(T, H)`` and ``num_splits`` a launch constant.
     """
     num_tokens, num_heads, head_dim = out.shape
     head_dim_pad = triton.next_power_of_2(head_dim)
@@ -64,7 +60,7 @@ def split_kv_reduce(*, out: torch.Tensor, part_out: torch.Tensor, part_lse: torc
                          f"{part_out.numel()} / {part_lse.numel()}")
     _split_kv_reduce_kernel[(num_tokens, num_heads)](
         out, part_out, part_lse,
-        num_heads, num_splits,
+        num_heads,
         out.stride(0), out.stride(1),
-        SPLITS_PAD=max(MIN_SPLITS_PAD, triton.next_power_of_2(num_splits)), HEAD_DIM=head_dim,
+        NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad, num_warps=1 if head_dim_pad <= 64 else 2)
