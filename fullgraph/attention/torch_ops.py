@@ -31,14 +31,14 @@ def write_kv_indexed(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     kv_cache: (2, num_blocks, block_size, KVH, D); k, v: (T, KVH, D); safe, valid: (T,) from
     :func:`write_index`. A masked scatter would need a data-dependent shape, so skipped tokens
     are pointed at slot 0 and write back the value already there (same bytes; real tokens never
-    use the null block). Four kernels: stack, gather old, select, scatter. A custom op, so
+    use the null block). Three kernels: stack, select, scatter. A custom op, so
     ``torch.compile`` keeps it one in-place write instead of functionalising a scatter into the
     whole cache.
     """
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     flat = kv_cache.view(2, -1, num_kv_heads, head_dim)      # (2, num_slots, KVH, D)
     new = torch.stack((k, v)).to(kv_cache.dtype)               # (2, T, KVH, D)
-    flat[:, safe] = torch.where(valid[None, :, None, None], new, flat[:, safe])
+    flat[:, safe] = torch.where(valid[None, :, None, None], new, flat[:, :1])  # skipped: slot 0's own bytes
 
 
 @write_kv_indexed.register_fake

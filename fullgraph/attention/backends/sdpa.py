@@ -9,7 +9,7 @@ Decode-only steps take a fast path, because inside a graph each small kernel cos
 microseconds and the general path launches dozens per layer. The gather rows and the mask bias
 (``torch_ops.decode_index``) and the KV-write index depend only on the step, so they are built
 once in the first layer and shared through ``metadata.per_step``; per layer only the KV write
-(four kernels), one gather of K/V and the attention itself remain. It agrees with the general
+(three kernels), one gather of K/V and the attention itself remain. It agrees with the general
 path on every real row (tests check both against each other, NaN-poisoned cache included).
 """
 from __future__ import annotations
