@@ -52,6 +52,7 @@ core-fast)
         --attention sdpa --modes none full --out "$OUT/decode_llama1b_sdpa.json"
     run decode_llama1b_triton 80 python3 -m fullgraph.bench decode --preset llama-1b --batch 1 32 --context 1024 \
         --attention triton --modes full --out "$OUT/decode_llama1b_triton.json"
+    run host 40 python3 -m fullgraph.bench host --preset llama-1b --out "$OUT/host.json"
     ;;
 phi3-fast)
     run decode_phi3 150 python3 -m fullgraph.bench decode --preset phi3-small-8k --batch 1 16 --context 2048 8000 \
