@@ -69,6 +69,23 @@ class LayerNorm(nn.Module):
         return y if residual is None else (y, x)
 
 
+class PreNormDecoderLayer(nn.Module):
+    """A pre-norm decoder layer over a residual stream: subclasses set ``input_layernorm``,
+    ``self_attn``, ``post_attention_layernorm`` and ``mlp``; each norm takes ``(x, residual)``
+    and adds before normalising (one fused launch on CUDA), so a layer returns its output and the
+    residual unsummed and the next norm (the next layer's, or the final one) adds them."""
+
+    def forward(self, x, residual, positions, rope, kv_cache, metadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(layer output, residual stream); ``residual`` is None for the first layer."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, rope, kv_cache, metadata)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
 def rope_inv_freq(head_dim: int, base: float) -> torch.Tensor:
     """Standard RoPE inverse frequencies, (head_dim // 2,) float64."""
     return 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)

@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from ..attention import Attention, AttentionMetadata
-from .layers import RMSNorm, RotaryEmbedding, init_random_, llama3_inv_freq, rope_inv_freq, silu_and_mul
+from .layers import (PreNormDecoderLayer, RMSNorm, RotaryEmbedding, init_random_, llama3_inv_freq, rope_inv_freq,
+                     silu_and_mul)
 from .loading import fuse, load_config, load_safetensors_dir
 
 
@@ -106,23 +107,13 @@ class LlamaMLP(nn.Module):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(PreNormDecoderLayer):
     def __init__(self, c: LlamaConfig, **factory) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, **factory)
         self.self_attn = LlamaAttention(c, **factory)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, **factory)
         self.mlp = LlamaMLP(c, **factory)
-
-    def forward(self, x, residual, positions, rope, kv_cache, metadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """(layer output, residual stream); the next norm adds them (fused add + RMSNorm)."""
-        if residual is None:
-            x, residual = self.input_layernorm(x), x
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, positions, rope, kv_cache, metadata)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
 
 
 class Llama(nn.Module):

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..attention import Attention, AttentionMetadata, BlockSparseConfig
-from .layers import LayerNorm, RotaryEmbedding, init_random_, kernels, rope_inv_freq, use_kernels
+from .layers import LayerNorm, PreNormDecoderLayer, RotaryEmbedding, init_random_, kernels, rope_inv_freq, use_kernels
 from .loading import load_config, load_safetensors_dir
 
 # <|dummy_id_k|>, the FIM ids 100258-100260 and <|endofprompt|> 100276: masked in the logits.
@@ -212,23 +212,13 @@ class Phi3SmallMLP(nn.Module):
         return self.down_proj(gegelu(self.up_proj(x), self.limit))
 
 
-class Phi3SmallDecoderLayer(nn.Module):
+class Phi3SmallDecoderLayer(PreNormDecoderLayer):
     def __init__(self, c: Phi3SmallConfig, layer: int, **factory) -> None:
         super().__init__()
         self.input_layernorm = LayerNorm(c.hidden_size, c.layer_norm_epsilon, **factory)
         self.self_attn = Phi3SmallAttention(c, layer, **factory)
         self.post_attention_layernorm = LayerNorm(c.hidden_size, c.layer_norm_epsilon, **factory)
         self.mlp = Phi3SmallMLP(c, **factory)
-
-    def forward(self, x, residual, positions, rope, kv_cache, metadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """(layer output, residual stream); the next norm adds them (fused add + LayerNorm)."""
-        if residual is None:
-            x, residual = self.input_layernorm(x), x
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, positions, rope, kv_cache, metadata)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
 
 
 class Phi3Small(nn.Module):
