@@ -98,18 +98,20 @@ def replay_ms(runner: FullGraphRunner, key, iters: int = 50) -> float:
     return start.elapsed_time(end) / iters
 
 
-def isolated_replay_ms(runner: FullGraphRunner, key, iters: int = 30) -> float:
+def isolated_replay_ms(runner: FullGraphRunner, key, iters: int = 30) -> tuple[float, float]:
     """Wall time of one replay launched on an idle GPU and synchronised, as a step sees it
-    without the host work: ``step_ms - this`` is the host's share, ``this - replay_ms`` the cost
-    of launching a graph cold and waiting for it."""
-    graphs, times = runner._graphs, []
+    without the host work (``step_ms - this`` is the host's share, ``this - replay_ms`` the cost
+    of launching a graph cold and waiting for it), and the host time of the launch call alone."""
+    graphs, times, launch = runner._graphs, [], []
     for _ in range(iters):
         torch.cuda.synchronize()
+        time.sleep(2e-4)  # idle, as between two synchronised steps
         start = time.perf_counter()
         graphs.replay(key)
+        launch.append(time.perf_counter() - start)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return statistics.median(times) * 1e3, statistics.median(launch) * 1e3
 
 
 def bench_decode(args) -> list[dict]:
@@ -126,7 +128,7 @@ def bench_decode(args) -> list[dict]:
                     continue
                 rows.append(_decode_row(args, model, device, w_bytes, bandwidth, context, batch, mode))
                 print(f"  {args.preset} context {context} batch {batch} {mode}: {rows[-1]['step_ms']:.3f} ms", flush=True)
-    _table(rows, ["preset", "batch", "context", "mode", "attention", "step_ms", "replay1_ms", "replay_ms", "p90_ms",
+    _table(rows, ["preset", "batch", "context", "mode", "attention", "step_ms", "replay1_ms", "replay_ms", "launch_ms", "p90_ms",
                   "floor_ms", "compile_s"])
     eager = {(r["context"], r["batch"]): r["step_ms"] for r in rows if r["mode"] == "none"}
     for r in rows:
@@ -149,14 +151,15 @@ def _decode_row(args, model, device, w_bytes, bandwidth, context, batch, mode) -
     t = time_decode(runner, batch, context, args.steps, args.warmup)
     full = mode == "full"
     replay = replay_ms(runner, (batch, True)) if full else float("nan")
-    replay1 = isolated_replay_ms(runner, (batch, True)) if full else float("nan")
+    replay1, launch = isolated_replay_ms(runner, (batch, True)) if full else (float("nan"),) * 2
     stats = runner.stats()
     row = {"preset": args.preset, "batch": batch, "context": context, "mode": mode,
            "attention": runner.config.attention, "compile": args.compile, "dtype": args.dtype,
            "step_ms": statistics.median(t) * 1e3, "p10_ms": np.percentile(t, 10) * 1e3,
            "p90_ms": np.percentile(t, 90) * 1e3, "floor_ms": floor, "weight_bytes": w_bytes,
            "kv_bytes": kv_read, "copy_TBps": bandwidth / 1e12, "compile_s": stats["compile_seconds"],
-           "capture_s": stats["capture_seconds"], "replay_ms": replay, "replay1_ms": replay1}
+           "capture_s": stats["capture_seconds"], "replay_ms": replay, "replay1_ms": replay1,
+           "launch_ms": launch}
     del runner
     gc.collect()
     if device.type == "cuda":
