@@ -10,8 +10,9 @@ from .norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from .paged_attention import (KernelConfig, default_config, num_kv_splits, paged_attention,
                               split_workspace_rows)
 from .rope import rope
+from .rope_kv_write import rope_kv_write
 from .split_kv_reduce import split_kv_reduce
 
 __all__ = ["KernelConfig", "add_layer_norm", "add_rms_norm", "default_config", "gegelu", "kv_write",
-           "layer_norm", "num_kv_splits", "paged_attention", "rms_norm", "rope", "silu_and_mul",
-           "split_kv_reduce", "split_workspace_rows", "write_kv"]
+           "layer_norm", "num_kv_splits", "paged_attention", "rms_norm", "rope", "rope_kv_write",
+           "silu_and_mul", "split_kv_reduce", "split_workspace_rows", "write_kv"]

@@ -108,7 +108,8 @@ class RotaryEmbedding(nn.Module):
     """Rotate-half (NeoX) RoPE over the whole head, from a precomputed float32 cos/sin table.
 
     ``mscale`` multiplies both cos and sin (LongRoPE's attention scaling); positions index the
-    table on the device, so the layer is capture-safe.
+    table on the device, so the layer is capture-safe. Models hand it to their ``Attention``
+    layer, which calls it, or, when ``fusable``, lets a backend fold it into the KV-cache write.
     """
 
     def __init__(self, inv_freq: torch.Tensor, max_position: int, mscale: float = 1.0,
@@ -118,6 +119,10 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv_freq.to(torch.float64))                 # (max_position, D/2)
         self.register_buffer("cos", (freqs.cos() * mscale).float().to(device), persistent=False)
         self.register_buffer("sin", (freqs.sin() * mscale).float().to(device), persistent=False)
+
+    def fusable(self, x: torch.Tensor) -> bool:
+        """Whether a fused kernel may apply the rotation for ``x``: the rule of every kernel here."""
+        return use_kernels(x)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: (T,); q: (T, H, D) or grouped (T, KVH, G, D), k: (T, KVH, D) -> (T, H, D), (T, KVH, D)

@@ -93,8 +93,9 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = q.view(-1, a.num_heads, a.head_dim)          # (T, H, D)
         k = k.view(-1, a.num_kv_heads, a.head_dim)       # (T, KVH, D)
-        q, k = rope(positions, q, k)
-        return self.o_proj(a(q, k, v.view(-1, a.num_kv_heads, a.head_dim), kv_cache, metadata))
+        v = v.view(-1, a.num_kv_heads, a.head_dim)
+        # Attention rotates q and k (in the KV-write kernel where the backend can fuse it).
+        return self.o_proj(a(q, k, v, kv_cache, metadata, rope=rope, positions=positions))
 
 
 class LlamaMLP(nn.Module):

@@ -194,11 +194,11 @@ class Phi3SmallAttention(nn.Module):
         a = self.attn
         group = a.num_heads // a.num_kv_heads
         # Head-major rows: per KV group g, [q_{g*G} .. q_{g*G+G-1}, k_g, v_g] of head_dim each.
-        # All three stay views: RoPE reads the grouped q and writes (T, H, D); the KV write reads v.
+        # All three stay views: RoPE (fused into the KV write where the backend can) reads the
+        # grouped q and writes (T, H, D); the KV write reads k and v.
         qkv = self.query_key_value(x).view(-1, a.num_kv_heads, group + 2, a.head_dim)   # (T, KVH, G+2, D)
         q, k, v = qkv[:, :, :group], qkv[:, :, group], qkv[:, :, group + 1]              # (T, KVH, G|-, D)
-        q, k = rope(positions, q, k)                                                     # (T, H, D), (T, KVH, D)
-        return self.dense(a(q, k, v, kv_cache, metadata))
+        return self.dense(a(q, k, v, kv_cache, metadata, rope=rope, positions=positions))
 
 
 class Phi3SmallMLP(nn.Module):

@@ -16,7 +16,7 @@ from ..metadata import AttentionMetadata
 
 if TYPE_CHECKING:
     from ...plan import StepPlan
-    from ..layer import Attention
+    from ..layer import Attention, Rotary
 
 
 @dataclass(frozen=True)
@@ -38,11 +38,17 @@ class AttentionBackend:
     ``forward`` must be capture-safe: no ``.item()``/``.cpu()``/``.tolist()``, no host branching
     on tensor values, no allocation whose size depends on tensor values. It may branch on
     ``metadata.decode_only`` and on tensor *shapes*, which are fixed per graph key.
+
+    ``fuses_rope``: the backend applies RoPE inside its KV write. ``Attention`` then calls
+    ``forward`` with ``rope`` and ``positions`` and unrotated q (maybe grouped, (T, KVH, G, D)) and
+    k; ``forward`` must rotate q, and store rotated keys, exactly as ``rope`` would have. Without
+    it (the default) ``forward`` always gets rotated (T, H, D) q and k, and no ``rope``.
     """
 
     name: ClassVar[str]
     policy: ClassVar[padding.PaddingPolicy]
     kinds: ClassVar[frozenset[str]] = frozenset({"dense"})
+    fuses_rope: bool = False
 
     def __init__(self, limits: BackendLimits, layers: list[Attention]) -> None:
         self.limits = limits
@@ -64,7 +70,8 @@ class AttentionBackend:
         return None
 
     def forward(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor, metadata: AttentionMetadata, *, rope: Rotary | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
 
 

@@ -6,7 +6,9 @@ Two implementations behind one contract, picked once at construction:
   ``fullgraph.kernels`` over a :class:`BlockSparseLayout` built once per (pattern, heads) on the
   device. Mixed steps run the varlen prefill kernel (chunked prefill and cached context included;
   decode tokens of a mixed step are 1-token chunks); decode-only steps run the split-KV paged
-  decode kernel, whose partial buffers are allocated here, once, from ``BackendLimits``.
+  decode kernel, whose partial buffers are allocated here, once, from ``BackendLimits``. The KV
+  write applies RoPE too (``fuses_rope``): ``rope_kv_write`` rotates q and stores rotated keys
+  and values in one launch, where RoPE and then the write took two.
 - ``"torch"`` (CPU otherwise; also the test path): plain PyTorch over the gathered pages with the
   pattern computed from positions on the fly; no dense ``max_len x max_len`` mask is ever stored.
 
@@ -108,9 +110,21 @@ class BlockSparseBackend(AttentionBackend):
         """The device layout serving ``layer`` (Triton implementation only)."""
         return self._layouts[(layer.sparse, layer.num_heads)]
 
+    @property
+    def fuses_rope(self) -> bool:
+        """RoPE folds into the KV write on the Triton implementation only."""
+        return self.impl == "triton"
+
     def forward(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata) -> torch.Tensor:
-        self._write_kv(kv_cache, k, v, metadata.require("slot_mapping", self.name))
+                metadata: AttentionMetadata, *, rope=None, positions: torch.Tensor | None = None) -> torch.Tensor:
+        # q: (T, H, D), or unrotated (T, H, D) / (T, KVH, G, D) with rope; k, v: (T, KVH, D) -> (T, H, D)
+        slot_mapping = metadata.require("slot_mapping", self.name)
+        if rope is None:
+            self._write_kv(kv_cache, k, v, slot_mapping)
+        else:  # fuses_rope, so the Triton implementation: Triton is importable
+            from ...kernels.rope_kv_write import rope_kv_write
+            q = rope_kv_write(query=q, key=k, value=v, kv_cache=kv_cache, slot_mapping=slot_mapping,
+                              positions=positions, cos=rope.cos, sin=rope.sin)   # (T, H, D)
         qsl = metadata.require("query_start_loc", self.name)
         seq_lens = metadata.require("seq_lens", self.name)
         block_table = metadata.require("block_table", self.name)

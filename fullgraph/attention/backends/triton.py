@@ -1,10 +1,12 @@
 """``triton``: the Triton paged-attention backend (CUDA; CPU only under ``TRITON_INTERPRET=1``).
 
-``forward`` runs two launches per layer: ``kv_write`` puts the step's new keys/values in the cache
-at ``slot_mapping`` (slot -1 skipped, so padding never touches the cache), then one
-``paged_attention`` launch reads every key from the cache for the whole step: prefill, chunked
-prefill with cached context, decode and mixed batches alike. Decode steps split long contexts
-over several programs (split-KV) and merge the partials in a second, tiny launch.
+``forward`` runs two launches per layer. The first puts the step's new keys/values in the cache at
+``slot_mapping`` (slot -1 skipped, so padding never touches the cache): the backend ``fuses_rope``,
+so ``Attention`` hands it unrotated q and k with the rotation and ``rope_kv_write`` rotates q and
+stores rotated keys (the rotated k never exists as a tensor); given rotated q and k (kernels off),
+plain ``kv_write``. Then one ``paged_attention`` launch reads every key from the cache for the whole
+step: prefill, chunked prefill with cached context, decode and mixed batches alike. Decode steps
+split long contexts over several programs (split-KV) and merge the partials in a second, tiny launch.
 
 Capture-safe, because:
 * both launchers take their grids from static shapes (T, R, the block-table width) and read the
@@ -26,7 +28,7 @@ from ..metadata import AttentionMetadata
 from .base import AttentionBackend, BackendLimits, register_backend
 
 try:
-    from ...kernels import kv_write, num_kv_splits, paged_attention, split_workspace_rows
+    from ...kernels import kv_write, num_kv_splits, paged_attention, rope_kv_write, split_workspace_rows
     from ...kernels.paged_attention import INTERPRET
     _IMPORT_ERROR: str | None = None
 except ImportError as exc:  # triton missing (e.g. macOS): the backend reports itself unsupported
@@ -50,6 +52,7 @@ class TritonBackend(AttentionBackend):
 
     name = "triton"
     kinds = frozenset({"dense"})
+    fuses_rope = True
     policy = PaddingPolicy(
         name="triton",
         reads=frozenset({"query_start_loc", "seq_lens", "block_table", "slot_mapping"}),
@@ -103,12 +106,18 @@ class TritonBackend(AttentionBackend):
         return num_kv_splits(num_reqs, num_kv_heads, self.limits.max_model_len, self.num_sms)
 
     def forward(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata) -> torch.Tensor:
-        # q: (T, H, D); k, v: (T, KVH, D); kv_cache: (2, num_blocks, block_size, KVH, D) -> (T, H, D)
+                metadata: AttentionMetadata, *, rope=None, positions: torch.Tensor | None = None) -> torch.Tensor:
+        # q: (T, H, D), or unrotated (T, H, D) / (T, KVH, G, D) with rope; k, v: (T, KVH, D);
+        # kv_cache: (2, num_blocks, block_size, KVH, D) -> (T, H, D)
         query_start_loc = metadata.require("query_start_loc", self.name)
         seq_lens = metadata.require("seq_lens", self.name)
         block_table = metadata.require("block_table", self.name)
-        kv_write(key=k, value=v, kv_cache=kv_cache, slot_mapping=metadata.require("slot_mapping", self.name))
+        slot_mapping = metadata.require("slot_mapping", self.name)
+        if rope is None:
+            kv_write(key=k, value=v, kv_cache=kv_cache, slot_mapping=slot_mapping)
+        else:
+            q = rope_kv_write(query=q, key=k, value=v, kv_cache=kv_cache, slot_mapping=slot_mapping,
+                              positions=positions, cos=rope.cos, sin=rope.sin)   # (T, H, D)
         # The decode kernel maps token i to request i; any other decode layout takes the general path.
         decode = metadata.decode_only and block_table.shape[0] == q.shape[0]
         splits = self.num_splits(block_table.shape[0], layer.num_kv_heads) if decode else 1
