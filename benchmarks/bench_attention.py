@@ -120,7 +120,7 @@ def bench_decode(batch: int, context: int, page: int, quick: bool, config: Kerne
             "ours_ms": ours_ms, "fa2_ms": fa2_ms, "ours_tbps": kv_bytes / ours_ms * 1e-9,
             "fa2_tbps": kv_bytes / fa2_ms * 1e-9, "ratio": fa2_ms / ours_ms, "kv_gb": kv_bytes / 1e9,
             "l2_resident": kv_bytes < 2 * l2, "max_abs_diff_vs_fa2": diff, "timing": f"{ours_timing}/{fa2_timing}",
-            "config": vars(config or default_config(D, DTYPE, True))}
+            "config": vars(config or default_config(D, DTYPE, True, keys_per_split=-(-table.shape[1] * page // splits)))}
 
 
 def tune(page: int, quick: bool) -> list[dict]:

@@ -22,7 +22,7 @@ import time
 import torch
 import triton
 
-from fullgraph.attention.blocksparse import BlockSparseConfig, build_layout
+from fullgraph.attention.blocksparse import BlockSparseConfig, build_group_layout, build_layout
 from fullgraph.kernels.blocksparse_decode import blocksparse_decode, decode_num_splits
 from fullgraph.kernels.blocksparse_prefill import blocksparse_prefill
 
@@ -119,11 +119,12 @@ def bench_decode(ctx: int, batch: int, cache, layouts: dict, quick: bool) -> dic
     row = {"kind": "decode", "context": ctx, "batch": batch}
     kv_token_bytes = 2 * D * 2                                                        # K + V, bf16, one head
     for name, layout in layouts.items():
-        splits = decode_num_splits(batch, H, layout.width, 64)
+        glay = build_group_layout(layout, KVH)
+        splits = decode_num_splits(batch, KVH, glay.width, 64)
         part_out = torch.empty(batch * H * splits, D, device=DEV)
         part_ml = torch.empty(batch * H * splits, 2, device=DEV)
         ms, err = attempt(lambda: blocksparse_decode(
-            q, cache, seq_lens, table, layout.counts, layout.indices, part_out, part_ml, sm_scale=SCALE,
+            q, cache, seq_lens, table, glay.counts, glay.entries, part_out, part_ml, sm_scale=SCALE,
             sparse_block_size=64, num_splits=splits), quick)
         read = batch * kv_blocks_read(layout, (ctx - 1) // 64) * 64 * kv_token_bytes
         row.update({f"{name}_ms": ms, f"{name}_error": err, f"{name}_splits": splits, f"{name}_gb_read": read / 1e9,

@@ -21,7 +21,7 @@ import pytest  # noqa: E402
 from fullgraph.attention import Attention, AttentionMetadata  # noqa: E402
 from fullgraph.attention.backends import BackendLimits  # noqa: E402
 from fullgraph.attention.backends.blocksparse import BlockSparseBackend  # noqa: E402
-from fullgraph.attention.blocksparse import BlockSparseConfig, build_layout  # noqa: E402
+from fullgraph.attention.blocksparse import GROUP_BITS, BlockSparseConfig, build_group_layout, build_layout  # noqa: E402
 from fullgraph.kernels.blocksparse_decode import blocksparse_decode, decode_num_splits  # noqa: E402
 from fullgraph.kernels.blocksparse_prefill import blocksparse_prefill  # noqa: E402
 
@@ -141,11 +141,11 @@ def run_prefill(batch: Batch, cfg: BlockSparseConfig, scale: float = SCALE) -> t
 
 
 def run_decode(batch: Batch, cfg: BlockSparseConfig, num_splits: int, scale: float = SCALE) -> torch.Tensor:
-    lay = layout_for(cfg, batch)
+    lay = build_group_layout(layout_for(cfg, batch), batch.kv_cache.shape[3])
     rows = batch.q.shape[0] * batch.q.shape[1] * num_splits
     part_out = torch.full((rows, batch.q.shape[2]), float("nan"), device=batch.q.device)
     part_ml = torch.full((rows, 2), float("nan"), device=batch.q.device)
-    return blocksparse_decode(batch.q, batch.kv_cache, batch.seq_lens, batch.block_table, lay.counts, lay.indices,
+    return blocksparse_decode(batch.q, batch.kv_cache, batch.seq_lens, batch.block_table, lay.counts, lay.entries,
                               part_out, part_ml, sm_scale=scale, sparse_block_size=cfg.block_size,
                               num_splits=num_splits)
 
@@ -190,6 +190,40 @@ def test_layout_phi3_128k_sampled():
     # Density vs dense causal at 128K: 0.14 (PHI3_SMALL.md).
     density = lay.counts.double().sum() / (32 * 2048 * 2049 / 2)
     assert 0.12 < density.item() < 0.16
+
+
+@pytest.mark.parametrize("cfg,num_heads,num_kv_heads", [
+    (CFG, 4, 2), (CFG, 4, 1), (HOMO, 4, 2), (BlockSparseConfig(), 32, 8),
+    (BlockSparseConfig(block_size=16, local_blocks=3, vert_stride=8, num_heads_total=8, head_offset=2), 6, 2),
+], ids=["g2", "g4", "homo", "phi3", "offset-g3"])
+def test_group_layout_is_the_union_of_its_heads(cfg, num_heads, num_kv_heads):
+    """Each group row lists, ascending, every key block some head of the group keeps, with a bit
+    per head that keeps it; -1 past the count."""
+    lay = build_layout(cfg, num_heads, max_model_len=3000)
+    glay = build_group_layout(lay, num_kv_heads)
+    group = num_heads // num_kv_heads
+    for k in range(num_kv_heads):
+        for qb in range(lay.num_q_blocks):
+            want: dict[int, int] = {}
+            for g in range(group):
+                for kb in lay.indices[k * group + g, qb, : lay.counts[k * group + g, qb]].tolist():
+                    want[kb] = want.get(kb, 0) | 1 << g
+            n = int(glay.counts[k, qb])
+            row = glay.entries[k, qb, :n].tolist()
+            assert [e >> GROUP_BITS for e in row] == sorted(want), (k, qb)
+            assert {e >> GROUP_BITS: e & ((1 << GROUP_BITS) - 1) for e in row} == want, (k, qb)
+            assert (glay.entries[k, qb, n:] == -1).all()
+    assert glay.width == int(glay.counts.max())
+
+
+@pytest.mark.parametrize("heads", [(4, 1), (8, 1), (6, 2)], ids=["g4", "g8", "g3"])
+def test_decode_kernel_wider_groups(heads):
+    """Groups of 3, 4 and 8 query heads with per-head vertical blocks: rows of one program keep
+    different blocks, split and unsplit."""
+    cfg = BlockSparseConfig(block_size=16, local_blocks=2, vert_stride=4, num_heads_total=8)
+    batch = make_batch(DECODE, num_heads=heads[0], num_kv_heads=heads[1], pad_reqs=2, pad_tokens=2)
+    for splits in (1, 3):
+        assert_matches(run_decode(batch, cfg, splits), batch, cfg)
 
 
 # ---- prefill -----------------------------------------------------------------------------------
@@ -311,13 +345,13 @@ def test_backend_picks_triton_under_the_interpreter_or_cuda():
 
 
 def test_decode_splits_are_static_and_workspace_fits():
-    assert decode_num_splits(1, 32, 270, 64) == 32 and decode_num_splits(16, 32, 270, 64) == 2
-    assert decode_num_splits(256, 32, 270, 64) == 1 and decode_num_splits(1, 32, 2, 64) == 1
-    assert decode_num_splits(1, 32, 20, 64) == 10  # short rows at batch 1: about two sparse blocks per split
+    assert decode_num_splits(1, 8, 1032, 64) == 32 and decode_num_splits(16, 8, 1032, 64) == 4
+    assert decode_num_splits(256, 8, 1032, 64) == 1 and decode_num_splits(1, 8, 2, 64) == 1
+    assert decode_num_splits(1, 8, 20, 64) == 10  # short rows at batch 1: about two sparse blocks per split
     batch = make_batch(DECODE)
     backend, layer = make_backend(CFG, "triton", batch, max_num_seqs=12)
-    lay = backend.layout(layer)
-    need = max(r * 4 * decode_num_splits(r, 4, lay.width, 16) for r in range(1, 13))
+    lay = backend.group_layout(layer)
+    need = max(r * 4 * decode_num_splits(r, lay.num_kv_heads, lay.width, 16) for r in range(1, 13))
     assert backend._partial_out.shape[0] >= need
 
 
@@ -345,10 +379,11 @@ def test_custom_ops_pass_opcheck():
                           (batch.q, cache, batch.query_start_loc, batch.seq_lens, batch.block_table,
                            lay.counts, lay.indices, SCALE, 16))
     q = torch.randn(3, 4, 16, device=DEV)
+    glay = build_group_layout(lay, cache.shape[3])
     part_out, part_ml = torch.zeros(3 * 4 * 2, 16, device=DEV), torch.zeros(3 * 4 * 2, 2, device=DEV)
     seq_lens = torch.tensor([15, 1, 0], dtype=torch.int32, device=DEV)
     torch.library.opcheck(torch.ops.fullgraph.blocksparse_decode.default,
-                          (q, cache, seq_lens, batch.block_table, lay.counts, lay.indices, part_out, part_ml,
+                          (q, cache, seq_lens, batch.block_table, glay.counts, glay.entries, part_out, part_ml,
                            SCALE, 16, 2))
 
 
@@ -392,10 +427,10 @@ def test_gpu_bf16_phi3_decode():
     batch = make_batch([(n - 1, 1) for n in (1024, 1025, 1600, 4097, 8000)], num_heads=32, num_kv_heads=8,
                        head_dim=128, page=64, dtype=torch.bfloat16, max_len=8192, pad_reqs=3, pad_tokens=3)
     batch.layer_scale = 1 / 128
-    lay = build_layout(PHI3, 32, 8192, DEV)
-    splits = decode_num_splits(batch.q.shape[0], 32, lay.width, 64)
+    lay = build_group_layout(build_layout(PHI3, 32, 8192, DEV), 8)
+    splits = decode_num_splits(batch.q.shape[0], 8, lay.width, 64)
     rows = batch.q.shape[0] * 32 * splits
-    out = blocksparse_decode(batch.q, batch.kv_cache, batch.seq_lens, batch.block_table, lay.counts, lay.indices,
+    out = blocksparse_decode(batch.q, batch.kv_cache, batch.seq_lens, batch.block_table, lay.counts, lay.entries,
                              torch.empty(rows, 128, device=DEV), torch.empty(rows, 2, device=DEV),
                              sm_scale=1 / 128, sparse_block_size=64, num_splits=splits)
     assert not torch.isnan(out).any() and (out[-3:] == 0).all()

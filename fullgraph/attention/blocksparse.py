@@ -10,7 +10,9 @@ Heads are indexed globally (``head_offset`` is the first head this layer holds, 
 parallelism), so every rank and every path (prefill, decode, reference) uses the same pattern.
 
 ``build_layout`` turns the rule into a :class:`BlockSparseLayout` (per head and query block: the
-kept key blocks), built once on the device and read by the Triton kernels.
+kept key blocks), built once on the device and read by the Triton prefill kernel;
+``build_group_layout`` into a :class:`BlockSparseGroupLayout` (per KV head: the union of its query
+heads' blocks, each with the heads that keep it), read by the GQA-packed decode kernel.
 """
 from __future__ import annotations
 
@@ -153,3 +155,80 @@ def build_layout(config: BlockSparseConfig, num_heads: int, max_model_len: int,
     indices = torch.where(slot < n_vert, phase + slot * vs, lo + slot - n_vert)  # (H, NQB, W)
     indices.masked_fill_(slot >= counts, -1)
     return BlockSparseLayout(config, num_heads, max_model_len, counts[..., 0].contiguous(), indices)
+
+
+GROUP_BITS = 16  # entry = kb << GROUP_BITS | head bits: up to 16 query heads per KV head
+
+
+@dataclass(frozen=True, eq=False)
+class BlockSparseGroupLayout:
+    """Per KV head and query block, the union of the key blocks its query heads keep, built once
+    on the device (decode reads each such block once for the whole group).
+
+    Format (count + entry table, rows ascending by key block, padded with -1)::
+
+        counts:  (KVH, NQB) int32       key blocks kept by at least one head of the group
+        entries: (KVH, NQB, W) int32    ``kb << GROUP_BITS | bits``: bit g set when the group's
+                                        g-th query head (head ``kvh * G + g``) keeps block kb
+
+    The local window is kept by every head (all G bits); a block below it only by the heads whose
+    vertical phase it matches.
+    """
+
+    layout: BlockSparseLayout
+    num_kv_heads: int
+    counts: torch.Tensor
+    entries: torch.Tensor
+
+    @property
+    def group(self) -> int:
+        return self.layout.num_heads // self.num_kv_heads
+
+    @property
+    def width(self) -> int:
+        return self.entries.shape[2]
+
+
+def build_group_layout(layout: BlockSparseLayout, num_kv_heads: int) -> BlockSparseGroupLayout:
+    """The :class:`BlockSparseGroupLayout` of ``layout``'s heads grouped by ``num_kv_heads``.
+
+    Below the local window ``[lo, qb]`` group k keeps the blocks ``kb`` with ``kb % vs`` in the set
+    ``S_k`` of its heads' vertical phases (u of them, ascending); in ascending order the j-th is
+    ``vs * (j // u) + S_k[j % u]``, so every row is a closed form (no sort), vectorised over query
+    blocks and slots, one small loop over KV heads.
+    """
+    config, num_heads = layout.config, layout.num_heads
+    if num_kv_heads < 1 or num_heads % num_kv_heads or num_heads // num_kv_heads > GROUP_BITS:
+        raise ValueError(f"{num_heads} query heads over {num_kv_heads} KV heads: need H a multiple of KVH "
+                         f"and at most {GROUP_BITS} query heads per KV head")
+    nqb, vs, local = layout.num_q_blocks, config.vert_stride, config.local_blocks
+    if nqb >= 1 << (31 - GROUP_BITS):
+        raise ValueError(f"{nqb} sparse blocks do not fit the {31 - GROUP_BITS}-bit block field of a group entry")
+    group, device = num_heads // num_kv_heads, layout.counts.device
+    i32 = dict(device=device, dtype=torch.int32)
+    qb = torch.arange(nqb, **i32)[:, None]                                 # (NQB, 1)
+    lo = (qb - local + 1).clamp_(min=0)
+    last_lo = max(0, nqb - local)
+    groups = []
+    for k in range(num_kv_heads):
+        phases = [_vertical_phase(config, config.head_offset + k * group + g) for g in range(group)]
+        distinct = sorted(set(phases))
+        bits = [sum(1 << g for g, p in enumerate(phases) if p == d) for d in distinct]
+        width = min(nqb, local) + sum(max(0, -(-(last_lo - p) // vs)) for p in distinct)
+        groups.append((distinct, bits, width))
+    width = max(w for _, _, w in groups)
+    slot = torch.arange(width, **i32)[None, :]                             # (1, W)
+    counts, entries = [], []
+    for distinct, bits, _ in groups:
+        u = len(distinct)
+        phase_of, bits_of = torch.tensor(distinct, **i32), torch.tensor(bits, **i32)
+        n_vert = sum(torch.div(lo - p + (vs - 1), vs, rounding_mode="floor").clamp(min=0) for p in distinct)
+        count = n_vert + (qb - lo + 1)                                      # (NQB, 1)
+        vertical = slot < n_vert
+        kb = torch.where(vertical, vs * (slot // u) + phase_of[slot % u], lo + slot - n_vert)
+        head_bits = torch.where(vertical, bits_of[slot % u], (1 << group) - 1)
+        entry = (kb << GROUP_BITS) | head_bits
+        counts.append(count[:, 0])
+        entries.append(entry.masked_fill_(slot >= count, -1))
+    return BlockSparseGroupLayout(layout, num_kv_heads, torch.stack(counts).contiguous(),
+                                  torch.stack(entries).contiguous())

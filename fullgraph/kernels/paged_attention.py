@@ -108,7 +108,10 @@ def _attend(acc, l_i, m_i, q, kv_ptr, table_ptr, start, seq_len, pos, qk_scale,
     return acc, l_i, m_new
 
 
-@triton.jit
+# The per-bucket counts are runtime values, never specialised on (Triton would compile a variant
+# per pattern of "== 1" / "divisible by 16" across the captured buckets, ~1 s of capture each);
+# NUM_SPLITS stays a constant: a runtime split count cost 7% of the batch-32 decode step.
+@triton.jit(do_not_specialize=["num_tokens", "num_reqs", "num_tiles"])
 def _paged_attention_kernel(
         # pointers
         out_ptr, q_ptr, kv_ptr, query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
@@ -202,14 +205,24 @@ class KernelConfig:
     num_stages: int
 
 
-def default_config(head_dim: int, dtype: torch.dtype, decode: bool) -> KernelConfig:
-    """Hopper-oriented tiles for fp16/bf16; small ones for fp32 and for the interpreter."""
+def default_config(head_dim: int, dtype: torch.dtype, decode: bool, keys_per_split: int | None = None) -> KernelConfig:
+    """Hopper-oriented tiles for fp16/bf16; small ones for fp32 and for the interpreter.
+
+    Decode (memory-bound: one query token x GROUP heads) depends on how many keys one program
+    walks at most (``keys_per_split``, static: ``max_model_len / num_splits``). Measured on H200
+    (``benchmarks/sweep_decode_attention.py``): a program of one or two tiles is latency-bound and
+    wants no pipelining (llama-1b b1: 6.1 -> 5.1 us, Phi-3 b1: 11.4 -> 8.4 us); longer ones want
+    two warps and two stages, with 32-key tiles at head_dim 128 (llama-1b b32: 26.0 -> 23.9 us,
+    Phi-3 b16: 47.4 -> 38.5 us).
+    """
     if INTERPRET:
         return KernelConfig(16 if decode else 32, 32, 1, 1)
     if dtype == torch.float32:  # correctness runs only (no tensor-core speed to chase)
         return KernelConfig(16 if decode else 32, 32, 4, 2)
-    if decode:  # memory-bound: one query token x GROUP heads, deep K/V pipeline
-        return KernelConfig(16, 64 if head_dim <= 128 else 32, 4, 3 if head_dim <= 128 else 2)
+    if decode:
+        if keys_per_split is not None and keys_per_split <= 128:
+            return KernelConfig(16, 64 if head_dim <= 128 else 32, 4, 1)
+        return KernelConfig(16, 64 if head_dim <= 64 else 32, 2, 2)
     if head_dim <= 64:
         return KernelConfig(128, 64, 4, 3)
     if head_dim <= 128:
@@ -318,7 +331,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
                              f"elements, got {have}")
     else:
         part_out = part_lse = q.new_empty(0, dtype=torch.float32)
-    cfg = config or default_config(head_dim, q.dtype, decode_only)
+    max_kv_len = block_table.shape[1] * kv_cache.shape[2]
+    cfg = config or default_config(head_dim, q.dtype, decode_only, keys_per_split=_cdiv(max_kv_len, num_splits))
     return torch.ops.fullgraph.paged_attention(
         q, kv_cache, query_start_loc, seq_lens, block_table, part_out, part_lse, float(scale),
         bool(decode_only), int(num_splits), cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages)

@@ -5,9 +5,10 @@ Two implementations behind one contract, picked once at construction:
 - ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``): the block-sparse kernels of
   ``fullgraph.kernels`` over a :class:`BlockSparseLayout` built once per (pattern, heads) on the
   device. Mixed steps run the varlen prefill kernel (chunked prefill and cached context included;
-  decode tokens of a mixed step are 1-token chunks); decode-only steps run the split-KV paged
-  decode kernel, whose partial buffers are allocated here, once, from ``BackendLimits``. The KV
-  write applies RoPE too (``fuses_rope``): ``rope_kv_write`` rotates q and stores rotated keys
+  decode tokens of a mixed step are 1-token chunks); decode-only steps run the GQA-packed split-KV
+  paged decode kernel over a :class:`BlockSparseGroupLayout` (each KV head reads the union of its
+  query heads' blocks once), whose partial buffers are allocated here, once, from
+  ``BackendLimits``. The KV write applies RoPE too (``fuses_rope``): ``rope_kv_write`` rotates q and stores rotated keys
   and values in one launch, where RoPE and then the write took two.
 - ``"torch"`` (CPU otherwise; also the test path): plain PyTorch over the gathered pages with the
   pattern computed from positions on the fly; no dense ``max_len x max_len`` mask is ever stored.
@@ -25,7 +26,7 @@ import torch
 
 from ...padding import PaddingPolicy
 from .. import torch_ops
-from ..blocksparse import BlockSparseConfig, BlockSparseLayout, build_layout
+from ..blocksparse import BlockSparseConfig, BlockSparseGroupLayout, BlockSparseLayout, build_group_layout, build_layout
 from ..metadata import AttentionMetadata
 from .base import AttentionBackend, BackendLimits, register_backend
 
@@ -63,6 +64,7 @@ class BlockSparseBackend(AttentionBackend):
         self.impl = self._pick_impl(impl, limits, layers)
         self._write_kv = torch_ops.write_kv
         self._layouts: dict[tuple[BlockSparseConfig, int], BlockSparseLayout] = {}
+        self._group_layouts: dict[tuple[BlockSparseConfig, int, int], BlockSparseGroupLayout] = {}
         if self.impl == "triton":
             self._init_triton(limits, layers)
 
@@ -89,26 +91,35 @@ class BlockSparseBackend(AttentionBackend):
         from ...kernels.blocksparse_decode import blocksparse_decode, decode_num_splits
         from ...kernels.blocksparse_prefill import blocksparse_prefill
         from ...kernels.kv_write import write_kv
+        from ...kernels.rope_kv_write import rope_kv_write
+        self._rope_kv_write = rope_kv_write
         self._write_kv = write_kv  # one launch, where the reference write is about seven
         self._prefill, self._decode, self._num_splits = blocksparse_prefill, blocksparse_decode, decode_num_splits
         for layer in layers:
             key = (layer.sparse, layer.num_heads)
             if key not in self._layouts:
                 self._layouts[key] = build_layout(layer.sparse, layer.num_heads, limits.max_model_len, limits.device)
+            if key + (layer.num_kv_heads,) not in self._group_layouts:
+                self._group_layouts[key + (layer.num_kv_heads,)] = build_group_layout(self._layouts[key],
+                                                                                     layer.num_kv_heads)
         # Split-KV workspace, shared by every layer (they run one after another): sized for the
         # largest R * H * splits any decode step can ask for.
-        rows = max(r * layout.num_heads * self._splits(r, layout)
-                   for layout in self._layouts.values() for r in range(1, limits.max_num_seqs + 1))
+        rows = max(r * glay.layout.num_heads * self._splits(r, glay)
+                   for glay in self._group_layouts.values() for r in range(1, limits.max_num_seqs + 1))
         head_dim = max(layer.head_dim for layer in layers)
         self._partial_out = torch.empty(rows, head_dim, dtype=torch.float32, device=limits.device)
         self._partial_ml = torch.empty(rows, 2, dtype=torch.float32, device=limits.device)
 
-    def _splits(self, num_reqs: int, layout: BlockSparseLayout) -> int:
-        return self._num_splits(num_reqs, layout.num_heads, layout.width, layout.config.block_size)
+    def _splits(self, num_reqs: int, glay: BlockSparseGroupLayout) -> int:
+        return self._num_splits(num_reqs, glay.num_kv_heads, glay.width, glay.layout.config.block_size)
 
     def layout(self, layer) -> BlockSparseLayout:
-        """The device layout serving ``layer`` (Triton implementation only)."""
+        """The per-head device layout serving ``layer``'s prefill (Triton implementation only)."""
         return self._layouts[(layer.sparse, layer.num_heads)]
+
+    def group_layout(self, layer) -> BlockSparseGroupLayout:
+        """The per-KV-head union layout serving ``layer``'s decode (Triton implementation only)."""
+        return self._group_layouts[(layer.sparse, layer.num_heads, layer.num_kv_heads)]
 
     @property
     def fuses_rope(self) -> bool:
@@ -121,9 +132,8 @@ class BlockSparseBackend(AttentionBackend):
         slot_mapping = metadata.require("slot_mapping", self.name)
         if rope is None:
             self._write_kv(kv_cache, k, v, slot_mapping)
-        else:  # fuses_rope, so the Triton implementation: Triton is importable
-            from ...kernels.rope_kv_write import rope_kv_write
-            q = rope_kv_write(query=q, key=k, value=v, kv_cache=kv_cache, slot_mapping=slot_mapping,
+        else:  # fuses_rope, so the Triton implementation
+            q = self._rope_kv_write(query=q, key=k, value=v, kv_cache=kv_cache, slot_mapping=slot_mapping,
                               positions=positions, cos=rope.cos, sin=rope.sin)   # (T, H, D)
         qsl = metadata.require("query_start_loc", self.name)
         seq_lens = metadata.require("seq_lens", self.name)
@@ -131,13 +141,13 @@ class BlockSparseBackend(AttentionBackend):
         if self.impl == "torch":
             return blocksparse_attention_torch(q, kv_cache, qsl, seq_lens, block_table, scale=layer.scale,
                                                decode_only=metadata.decode_only, sparse=layer.sparse)
-        layout = self.layout(layer)
         block = layer.sparse.block_size
         if metadata.decode_only and q.shape[0] == seq_lens.shape[0]:
-            splits = self._splits(seq_lens.shape[0], layout)
-            return self._decode(q, kv_cache, seq_lens, block_table, layout.counts, layout.indices,
+            glay = self.group_layout(layer)
+            return self._decode(q, kv_cache, seq_lens, block_table, glay.counts, glay.entries,
                                 self._partial_out, self._partial_ml, sm_scale=layer.scale,
-                                sparse_block_size=block, num_splits=splits)
+                                sparse_block_size=block, num_splits=self._splits(seq_lens.shape[0], glay))
+        layout = self.layout(layer)
         return self._prefill(q, kv_cache, qsl, seq_lens, block_table, layout.counts, layout.indices,
                              sm_scale=layer.scale, sparse_block_size=block)
 
