@@ -58,6 +58,7 @@ class StaticBuffers:
         self.tensors = {name: self._dev[b].view(_TORCH[dt]).view(shape) for name, (b, shape, dt) in layout.items()}
         self._staging = {name: host[b].view(dt).reshape(shape) for name, (b, shape, dt) in layout.items()}
         self.logits = torch.zeros(config.max_num_seqs, vocab_size, dtype=torch.float32, device=self.device)
+        self._logits_rows = [self.logits[:n] for n in range(config.max_num_seqs + 1)]  # slicing costs ~1 us a step
         self._copied = torch.cuda.Event() if on_cuda else None
         if on_cuda:
             self._device_index = torch.cuda.current_device() if self.device.index is None else self.device.index
@@ -94,6 +95,10 @@ class StaticBuffers:
             src = getattr(plan, name)
             staging[: len(src)] = src
         self.upload()
+
+    def logits_copy(self, num_reqs: int) -> torch.Tensor:
+        """The first ``num_reqs`` rows of the logits, as a tensor of the caller's own."""
+        return self._logits_rows[num_reqs].clone()
 
     def views(self, num_tokens: int, num_reqs: int) -> BufferViews:
         b = self.tensors

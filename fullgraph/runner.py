@@ -18,7 +18,7 @@ from .config import RunnerConfig, resolve_mode
 from .graphs import CaptureReport, GraphKey, GraphSet
 from .kv_cache import BlockAllocator, KVCacheSpec, allocate_kv_caches
 from .models.base import check_model
-from .plan import SeqChunk, StepPlan, capture_plan, plan_step
+from .plan import BlockIdCache, SeqChunk, StepPlan, capture_plan, plan_with_cache
 from .strict import StrictChecker
 
 logger = logging.getLogger("fullgraph")
@@ -79,21 +79,26 @@ class FullGraphRunner:
         self._forward = self._compiled or self._model_forward
         self._strict = StrictChecker(self.buffers, self.kv_caches, config.block_size) if config.validate else None
         self._warm = False
+        self._block_ids = BlockIdCache()  # the last step's block ids, reused while a request's list is unchanged
         self._stats = {"steps": 0, "tokens": 0, "padded_tokens": 0, "graph_hits": Counter(),
                        "eager_fallbacks": Counter()}
 
     # ---- running a step -------------------------------------------------------------------
-    @torch.inference_mode()
     def step(self, chunks: Sequence[SeqChunk]) -> StepOutput:
         """Run one step; returns the logits of each chunk's last token."""
+        # torch.inference_mode() as a decorator builds a context manager per call (~2 us); this is its core
+        with torch._C._InferenceMode(True):
+            return self._step(chunks)
+
+    def _step(self, chunks: Sequence[SeqChunk]) -> StepOutput:
         cfg = self.config
         pad = cfg.cudagraph != "none"
         if not self._warm and (self._compiled is not None or self._graphs is not None):
             self.warmup()  # compile / capture first: they run their own plans through the staging area
         # padded: planned straight into the staging area. A step refused below leaves it unsent (on
         # CPU it is the buffers themselves, but every step rewrites all of its own bucket).
-        plan = plan_step(chunks, cfg, self.policy, pad=pad, num_blocks=cfg.num_blocks, vocab_size=self.vocab_size,
-                         out=self.buffers.staging() if pad else None)
+        plan = plan_with_cache(chunks, cfg, self.policy, pad, cfg.num_blocks, self.vocab_size,
+                               self.buffers.staging() if pad else None, self._block_ids)
         for backend in self._step_checks:
             reason = backend.step_unsupported_reason(plan)
             if reason:
@@ -119,7 +124,7 @@ class FullGraphRunner:
             self._graphs.replay(key)
         else:
             self._run_static(key, plan.num_reqs_padded)
-        logits = self.buffers.logits[: plan.num_reqs].clone()
+        logits = self.buffers.logits_copy(plan.num_reqs)
         if self._strict is not None:
             self._strict.after(plan, logits)
         return logits, "full" if graph else "padded"

@@ -1,5 +1,6 @@
 """The per-step host path: planning straight into a staging area, the decode layout, large batches
-(the bulk conversion and the duplicate check), and a backend's refusal before anything runs."""
+(the bulk conversion and the duplicate check), a runner's block-id cache, and a backend's refusal
+before anything runs."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,7 +11,7 @@ import fullgraph as fg
 from fullgraph.attention.backends import register_backend
 from fullgraph.attention.backends.sdpa import SdpaBackend
 from fullgraph.padding import check, get_policy
-from fullgraph.plan import array_shapes
+from fullgraph.plan import BlockIdCache, array_shapes, plan_with_cache
 from harness import toy_model
 from test_plan import CFG, naive_layout, random_chunks
 
@@ -130,3 +131,75 @@ def test_a_refused_step_changes_nothing_and_the_next_one_runs():
     assert runner.stats() == stats and all(torch.equal(x, y) for x, y in zip(kv, runner.kv_caches))
     out = runner.step([fg.SeqChunk([4, 5], 3, ids)])
     assert out.num_tokens == 2 and torch.isfinite(out.logits).all()
+
+
+def _plan_cached(chunks, cache, cfg=BIG, num_blocks=None):
+    return plan_with_cache(chunks, cfg, get_policy("sdpa"), True, num_blocks or cfg.num_blocks, 100, None, cache)
+
+
+def _error(fn) -> str:
+    with pytest.raises(ValueError) as err:
+        fn()
+    return str(err.value)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_runners_block_id_cache_plans_as_plan_step_does(seed):
+    """Decode steps that advance, grow a list in place, swap a list for an equal new one, reorder,
+    drop and add requests: the cached plan is plan_step's, every step."""
+    rng = np.random.default_rng(seed)
+    chunks = decode_chunks(rng, int(rng.integers(1, 12)))
+    lists = [list(c.block_ids) for c in chunks]
+    free = sorted(set(range(1, BIG.num_blocks)) - {b for ids in lists for b in ids})
+    starts = [c.start_pos for c in chunks]
+    cache = BlockIdCache()
+    for step in range(40):
+        action = rng.integers(0, 6)
+        i = int(rng.integers(0, len(lists)))
+        if action == 0 and len(lists[i]) < BIG.max_blocks_per_seq:
+            lists[i].append(free.pop())  # in place: the cached copy must not match any more
+        elif action == 1:
+            lists[i] = list(lists[i])  # a new list, equal to the cached one
+        elif action == 2:
+            order = rng.permutation(len(lists))
+            lists, starts = [lists[k] for k in order], [starts[k] for k in order]
+        elif action == 3 and len(lists) > 1:
+            free += lists.pop(i)
+            starts.pop(i)
+        elif action == 4 and len(lists) < BIG.max_num_seqs:
+            lists.append([free.pop()])
+            starts.append(0)
+        starts = [min(s + 1, len(ids) * BIG.block_size - 1) for s, ids in zip(starts, lists)]
+        step_chunks = [fg.SeqChunk([step % 100], s, ids) for s, ids in zip(starts, lists)]
+        assert_same_plan(_plan_cached(step_chunks, cache), fg.plan_step(step_chunks, BIG, get_policy("sdpa")))
+
+
+def test_a_runners_block_id_cache_checks_what_changed_in_full():
+    a, b = [1, 2, 3], [4, 5]
+    cache = BlockIdCache()
+    valid = [fg.SeqChunk([1], 40, a), fg.SeqChunk([2], 20, b)]  # the lists themselves: changes show
+    invalid = {  # name: (a change in place, the step), each after the valid step was planned
+        "same list twice": (lambda: None, [valid[0], fg.SeqChunk([2], 40, a)]),
+        "an equal copy beside it": (lambda: None, [valid[0], fg.SeqChunk([2], 40, list(a))]),
+        "a shared id added in place": (lambda: b.append(3), valid),
+        "the null block in place": (lambda: a.__setitem__(0, 0), valid[:1]),
+        "an id out of range in place": (lambda: a.__setitem__(0, BIG.num_blocks), valid[:1]),
+        "too many ids in place": (lambda: a.extend(range(100, 100 + BIG.max_blocks_per_seq)), valid[:1]),
+    }
+    for name, (change, chunks) in invalid.items():
+        a[:], b[:] = [1, 2, 3], [4, 5]
+        _plan_cached(valid, cache)  # every list known and checked
+        change()
+        want = _error(lambda: fg.plan_step(chunks, BIG, get_policy("sdpa"), vocab_size=100))
+        assert _error(lambda: _plan_cached(chunks, cache)) == want, name
+    a[:], b[:] = [1, 2, 3], [4, 5]
+    _plan_cached(valid, cache)
+    # every list known, but checked against more blocks than this step allows
+    small = BIG.replace(num_blocks=4)
+    want = _error(lambda: fg.plan_step(valid, small, get_policy("sdpa")))
+    assert "block id 4" in want and _error(lambda: _plan_cached(valid, cache, small, 4)) == want
+    # a failed step leaves the cache sound: the valid step and a part of it still plan as plan_step does
+    for chunks in (valid, valid[1:]):
+        assert_same_plan(_plan_cached(chunks, cache), fg.plan_step(chunks, BIG, get_policy("sdpa")))
+    wide = BIG.replace(max_model_len=2 * BIG.max_model_len)  # longer block-table rows than those kept
+    assert_same_plan(_plan_cached(valid, cache, wide), fg.plan_step(valid, wide, get_policy("sdpa")))

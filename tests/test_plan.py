@@ -117,7 +117,41 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.parametrize("name,chunks,who,what", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+
+
+def _token(token=1, start=0, blocks=(1,), rid=None):
+    """A decode chunk: one token (a step of only these takes the decode path)."""
+    return fg.SeqChunk([token], start, list(blocks), request_id=rid)
+
+
+def _many(*chunks):
+    """Enough decode chunks before ``chunks`` (blocks 50..) for the vectorised decode layout."""
+    return [_token(blocks=(50 + i,)) for i in range(6 - len(chunks))] + list(chunks)
+
+
+DECODE_BAD_INPUTS = [
+    ("decode negative start", [_token(start=-1)], "chunk 0", "start_pos"),
+    ("decode past max_model_len", [_token(start=200, blocks=range(1, 14))], "chunk 0", "max_model_len"),
+    ("decode too few blocks", [_token(), _token(start=16, blocks=(2,))], "chunk 1", "positions up to 16 need 2"),
+    ("decode block out of range", [_token(), _token(blocks=(120,))], "chunk 1", "block id 120"),
+    ("decode negative block", [_token(blocks=(-3,))], "chunk 0", "block id -3"),
+    ("decode null block", [_token(blocks=(0,), rid="z")], "chunk 0 (request 'z')", "null block"),
+    ("decode repeated block", [_token(blocks=(5,)), _token(blocks=(6,)), _token(blocks=(7, 5))], "chunk 2",
+     "block 5 is also used by chunk 0"),
+    ("decode block twice in one chunk", [_token(start=20, blocks=(4, 4))], "chunk 0", "the same chunk"),
+    ("decode too many blocks", [_token(blocks=range(1, 15))], "chunk 0", "max_blocks_per_seq"),
+    ("decode too many chunks", [_token(blocks=(i,)) for i in range(1, 10)], "9 chunks", "max_num_seqs"),
+    ("decode token outside vocab", [_token(), _token(token=100, blocks=(2,))], "chunk 1", "token id 100"),
+    ("decode negative token", [_token(token=-1)], "chunk 0", "token id -1"),
+    ("decode many repeated block", _many(_token(blocks=(9, 3)), _token(blocks=(3,))), "chunk 5",
+     "block 3 is also used by chunk 4"),
+    ("decode many null block", _many(_token(blocks=(0,))), "chunk 5", "null block"),
+    ("decode many too few blocks", _many(_token(start=40, blocks=(1, 2))), "chunk 5", "block_ids"),
+]
+
+
+@pytest.mark.parametrize("name,chunks,who,what", BAD_INPUTS + DECODE_BAD_INPUTS,
+                         ids=[b[0] for b in BAD_INPUTS + DECODE_BAD_INPUTS])
 def test_bad_input_names_the_chunk_and_field(name, chunks, who, what):
     with pytest.raises(ValueError) as err:
         fg.plan_step(chunks, CFG, get_policy("sdpa"), vocab_size=100)

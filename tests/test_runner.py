@@ -127,3 +127,31 @@ def test_flash_without_paging_refuses_cached_context_before_writing():
     with pytest.raises(ValueError, match="attention='triton'"):
         runner.step([fg.SeqChunk([4], 3, ids)])
     assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches))
+
+
+def test_step_logits_are_a_copy_the_caller_owns():
+    runner = fg.FullGraphRunner(toy_model(), max_num_seqs=4, max_num_tokens=64, max_model_len=128,
+                                cudagraph="padded", attention="sdpa")
+    a, b = runner.blocks.allocate(1), runner.blocks.allocate(1)
+    first = runner.step([fg.SeqChunk([5], 0, a), fg.SeqChunk([9], 0, b)])
+    kept = first.logits.clone()
+    second = runner.step([fg.SeqChunk([7], 1, a)])
+    assert torch.equal(first.logits, kept) and not torch.equal(second.logits[0], kept[0])
+    assert first.logits.data_ptr() != runner.buffers.logits.data_ptr() and first.logits.is_inference()
+
+
+def test_a_bad_decode_step_after_good_ones_is_refused_before_anything_changes():
+    runner = fg.FullGraphRunner(toy_model(), max_num_seqs=4, max_num_tokens=64, max_model_len=128,
+                                cudagraph="padded", attention="sdpa")
+    a, b = runner.blocks.allocate(2), runner.blocks.allocate(2)
+    for pos in range(3):  # the same lists every step: the runner remembers them
+        runner.step([fg.SeqChunk([1], pos, a), fg.SeqChunk([2], pos, b)])
+    kv, stats = [c.clone() for c in runner.kv_caches], runner.stats()
+    b.append(a[0])  # in place: b now shares a's first page
+    with pytest.raises(ValueError, match=f"block {a[0]} is also used by chunk 0"):
+        runner.step([fg.SeqChunk([1], 3, a), fg.SeqChunk([2], 3, b)])
+    with pytest.raises(ValueError, match="also used by chunk 0"):
+        runner.step([fg.SeqChunk([1], 3, a), fg.SeqChunk([2], 3, a)])
+    assert runner.stats() == stats and all(torch.equal(x, y) for x, y in zip(kv, runner.kv_caches))
+    b.pop()
+    assert runner.step([fg.SeqChunk([1], 3, a), fg.SeqChunk([2], 3, b)]).num_tokens == 2
