@@ -22,6 +22,7 @@ from fullgraph.attention import Attention, AttentionMetadata  # noqa: E402
 from fullgraph.attention.backends import BackendLimits  # noqa: E402
 from fullgraph.attention.backends.blocksparse import BlockSparseBackend  # noqa: E402
 from fullgraph.attention.blocksparse import GROUP_BITS, BlockSparseConfig, build_group_layout, build_layout  # noqa: E402
+from fullgraph.kernels import blocksparse_decode as blocksparse_decode_module  # noqa: E402
 from fullgraph.kernels.blocksparse_decode import blocksparse_decode, decode_num_splits  # noqa: E402
 from fullgraph.kernels.blocksparse_prefill import blocksparse_prefill  # noqa: E402
 
@@ -198,7 +199,8 @@ def test_layout_phi3_128k_sampled():
 ], ids=["g2", "g4", "homo", "phi3", "offset-g3"])
 def test_group_layout_is_the_union_of_its_heads(cfg, num_heads, num_kv_heads):
     """Each group row lists, ascending, every key block some head of the group keeps, with a bit
-    per head that keeps it; -1 past the count."""
+    per head that keeps it; -1 past the count. The entry format is the decode kernel's."""
+    assert GROUP_BITS == blocksparse_decode_module.GROUP_BITS
     lay = build_layout(cfg, num_heads, max_model_len=3000)
     glay = build_group_layout(lay, num_kv_heads)
     group = num_heads // num_kv_heads

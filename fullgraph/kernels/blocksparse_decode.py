@@ -22,7 +22,7 @@ Tensor layout contract:
     kv_cache:    (2, num_pages, page_size, KVH, D), dtype of q; H % KVH == 0
     seq_lens:    (R,) int32 (0 for padded requests); block_table: (R, MB) int32
     counts, entries: a ``BlockSparseGroupLayout`` of the layer's heads, (KVH, NQB) and
-                 (KVH, NQB, W) int32
+                 (KVH, NQB, W) int32, entry ``kb << GROUP_BITS | bits`` (bit g: head kvh * G + g)
     partial_out: (>= R*H*S, D) float32; partial_ml: (>= R*H*S, 2) float32 (unused when S == 1)
     returns:     (R, H, D), dtype of q
 """
@@ -32,10 +32,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..attention.blocksparse import GROUP_BITS
 from .blocksparse_prefill import dot_precision
 from .blocksparse_reduce import blocksparse_reduce
 
+GROUP_BITS = 16  # entry = kb << GROUP_BITS | head bits (the group layout's format; kernels import no layout code)
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite running-max start: exp2(-inf - _NEG_BIG) = 0, never inf - inf
 
 
