@@ -46,7 +46,8 @@ def caches(batch, context, kvh, d, page):
     pages = -(-context // page)
     nb = batch * pages + 1
     out = []
-    for _ in range(LAYERS):
+    layers = LAYERS if batch * context <= 65536 else 2  # long contexts read far more than L2 anyway
+    for _ in range(layers):
         out.append(torch.randn(2, nb, page, kvh, d, device=DEV, dtype=torch.bfloat16))
     table = (torch.randperm(nb - 1, device=DEV)[: batch * pages] + 1).view(batch, pages).int()
     return out, table
@@ -83,7 +84,8 @@ def dense_rows(name, batch, context, h, kvh, d, page, max_model_len):
     return rows
 
 
-def blocksparse_rows(batch, context, max_model_len):
+def blocksparse_rows(batch, context, max_model_len, options=((64, 32, 512), (128, 32, 512), (256, 32, 512))):
+    """``options``: (min_keys_per_split, max_splits, target_programs) given to ``decode_num_splits``."""
     h, kvh, d, page = 32, 8, 128, 64
     cfg = BlockSparseConfig()
     layout = build_group_layout(build_layout(cfg, h, max_model_len, DEV), kvh)
@@ -91,8 +93,9 @@ def blocksparse_rows(batch, context, max_model_len):
     q = torch.randn(batch, h, d, device=DEV, dtype=torch.bfloat16)
     seq_lens = torch.full((batch,), context, device=DEV, dtype=torch.int32)
     rows = []
-    for min_keys in (64, 128, 256):
-        splits = decode_num_splits(batch, kvh, layout.width, cfg.block_size, min_keys_per_split=min_keys)
+    for min_keys, max_splits, programs in options:
+        splits = decode_num_splits(batch, kvh, layout.width, cfg.block_size, min_keys_per_split=min_keys,
+                                   max_splits=max_splits, target_programs=programs)
         part_out = torch.empty(batch * h * splits, d, device=DEV)
         part_ml = torch.empty(batch * h * splits, 2, device=DEV)
         calls = [lambda c=c: blocksparse_decode(q, c, seq_lens, table, layout.counts, layout.entries, part_out,
@@ -100,22 +103,28 @@ def blocksparse_rows(batch, context, max_model_len):
                                                 num_splits=splits) for c in kv]
         us = graph_us(calls)
         rows.append({"shape": "phi3-blocksparse", "batch": batch, "context": context, "splits": splits,
-                     "min_keys": min_keys, "us": us})
-        print(f"phi3-blocksparse b{batch:<3d} ctx {context:5d} min_keys {min_keys:3d} splits {splits:3d}: {us:7.2f} us",
-              flush=True)
+                     "min_keys": min_keys, "max_splits": max_splits, "target_programs": programs, "us": us})
+        print(f"phi3-blocksparse b{batch:<3d} ctx {context:6d} min_keys {min_keys:3d} max_splits {max_splits:3d} "
+              f"programs {programs:4d} splits {splits:3d}: {us:8.2f} us", flush=True)
     return rows
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="sweep_decode_attention.json")
+    p.add_argument("--long", action="store_true", help="only the block-sparse decode at 32K / 128K")
     args = p.parse_args()
     rows = []
-    for batch in (1, 32):
+    for batch in () if args.long else (1, 32):
         rows += dense_rows("llama-1b", batch, 1024, 32, 8, 64, 16, 1280)
-    for batch in (1, 16):
+    for batch in () if args.long else (1, 16):
         rows += dense_rows("phi3-dense", batch, 2048, 32, 8, 128, 64, 2304)
         rows += blocksparse_rows(batch, 2048, 2304)
+    for context in (32768, 131072) if args.long else ():
+        for batch, options in ((1, ((128, 32, 512), (128, 64, 512), (128, 128, 1024))),
+                               (16, ((128, 32, 512), (128, 32, 1024), (128, 32, 2048)))):
+            rows += blocksparse_rows(batch, context, 131072, options=options)
+            torch.cuda.empty_cache()
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
     print(f"wrote {args.out}")
