@@ -347,7 +347,7 @@ def test_backend_picks_triton_under_the_interpreter_or_cuda():
 
 
 def test_decode_splits_are_static_and_workspace_fits():
-    assert decode_num_splits(1, 8, 1032, 64) == 32 and decode_num_splits(16, 8, 1032, 64) == 4
+    assert decode_num_splits(1, 8, 1032, 64) == 32 and decode_num_splits(16, 8, 1032, 64) == 8
     assert decode_num_splits(256, 8, 1032, 64) == 1 and decode_num_splits(1, 8, 2, 64) == 1
     assert decode_num_splits(1, 8, 20, 64) == 10  # short rows at batch 1: about two sparse blocks per split
     batch = make_batch(DECODE)
