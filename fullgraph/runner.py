@@ -12,13 +12,14 @@ from torch import nn
 from . import padding
 from .attention import AttentionMetadata
 from .attention.backends import AttentionBackend, BackendLimits, resolve_backends
+from .block_ids import BlockIdCache
 from .buffers import StaticBuffers
 from .compile import CompiledStep
 from .config import RunnerConfig, resolve_mode
 from .graphs import CaptureReport, GraphKey, GraphSet
 from .kv_cache import BlockAllocator, KVCacheSpec, allocate_kv_caches
 from .models.base import check_model
-from .plan import BlockIdCache, SeqChunk, StepPlan, capture_plan, plan_with_cache
+from .plan import SeqChunk, StepPlan, capture_plan, plan_with_cache
 from .strict import StrictChecker
 
 logger = logging.getLogger("fullgraph")

@@ -1,0 +1,86 @@
+"""Block ids from Python lists to int64 arrays: the bulk of planning a large decode batch.
+
+``flatten_ids`` concatenates a step's block lists; ``BlockIdCache`` (owned by a runner) keeps the
+previous valid step's packed ids so an unchanged list is not converted, nor checked, again.
+"""
+from __future__ import annotations
+
+import itertools
+import struct
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def flatten_ids(seqs: list[Sequence[int]], count: int) -> np.ndarray:
+    """The sequences concatenated, as int64: the bulk of planning a large batch (its block ids).
+
+    numpy arrays (a caller keeping its block tables in numpy) are concatenated, with no Python int
+    in between (~20x faster). Python ints go through ``struct`` from ~100 on, about 1.4x faster
+    than ``np.fromiter``; what it refuses (a float, say) takes the ``np.fromiter`` way, so such
+    input behaves as it always did."""
+    if isinstance(seqs[0], np.ndarray):
+        return np.concatenate(seqs).astype(np.int64, copy=False)
+    if count >= 128:
+        try:
+            return np.frombuffer(struct.pack(f"{count}q", *itertools.chain.from_iterable(seqs)), np.int64)
+        except struct.error:
+            pass
+    return np.fromiter(itertools.chain.from_iterable(seqs), np.int64, count)
+
+
+class BlockIdCache:
+    """The block ids of a runner's last valid decode step, kept for the next one.
+
+    A decode request's block list changes once every ``block_size`` steps, yet converting its ints
+    costs ~15 ns each (thousands a step at batch 32), checking the step's ids another ~10 us and
+    scattering them into the block table ~5 us. A list equal (``==``: a pointer comparison per
+    unchanged id) to one of the last valid step's reuses its packed ids and block-table row. When
+    every list does, each at most once, the step's ids are a subset of ids already found in range
+    and distinct, so those two checks are skipped; any other step is checked in full, and so raises
+    exactly what ``plan_step`` raises.
+    """
+
+    def __init__(self) -> None:
+        # id(list) -> (a copy of the list, its ids as int64 bytes, its block-table row as int32 bytes
+        # or None if too long), for the last valid step, under its (num_blocks, row width)
+        self._rows: dict[int, tuple[list, bytes, bytes | None]] = {}
+        self._limits: tuple[int, int] | None = None
+        self._pending: tuple[dict, tuple[int, int] | None] = ({}, None)
+
+    def lookup(self, blk_lists: list[Sequence[int]], count: int, num_blocks: int,
+               width: int) -> tuple[np.ndarray, np.ndarray | None, bool]:
+        """``flatten_ids(blk_lists, count)``; the block-table rows ``(len(blk_lists), width)`` int32, or
+        None; and whether the ids are known to be in range and distinct."""
+        rows = self._rows if (num_blocks, width) == self._limits else {}
+        pending, ids_parts, row_parts, checked, whole = {}, [], [], True, True
+        for ids in blk_lists:
+            if type(ids) is not list:  # arrays and tuples: converted every step
+                self._pending = ({}, None)
+                return flatten_ids(blk_lists, count), None, False
+            key = id(ids)
+            entry = rows.get(key)
+            if entry is None or entry[0] != ids:
+                entry = (ids.copy(), *_packed(ids, width))
+                checked, whole = False, whole and entry[2] is not None
+            pending[key] = entry
+            ids_parts.append(entry[1])
+            row_parts.append(entry[2])
+        self._pending = (pending, (num_blocks, width))
+        checked = checked and len(pending) == len(blk_lists)  # else one list came twice: its ids repeat
+        table = np.frombuffer(b"".join(row_parts), np.int32).reshape(-1, width) if whole else None
+        return np.frombuffer(b"".join(ids_parts), np.int64), table, checked
+
+    def commit(self) -> None:
+        """The step just looked up passed every check: its lists are the ones to compare with next."""
+        self._rows, self._limits = self._pending
+
+
+def _packed(ids: list, width: int) -> tuple[bytes, bytes | None]:
+    """A list's ids as int64 bytes, and as a block-table row of ``width`` (None if longer)."""
+    values = flatten_ids([ids], len(ids))
+    if len(values) > width:
+        return values.tobytes(), None
+    row = np.zeros(width, np.int32)
+    row[: len(values)] = values
+    return values.tobytes(), row.tobytes()
