@@ -10,8 +10,8 @@ import torch
 import fullgraph as fg
 from fullgraph.attention.backends import register_backend
 from fullgraph.attention.backends.sdpa import SdpaBackend
-from fullgraph.padding import check, get_policy
 from fullgraph.block_ids import BlockIdCache
+from fullgraph.padding import check, get_policy
 from fullgraph.plan import array_shapes, plan_with_cache
 from harness import toy_model
 from test_plan import CFG, naive_layout, random_chunks
