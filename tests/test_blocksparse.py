@@ -218,6 +218,21 @@ def test_group_layout_is_the_union_of_its_heads(cfg, num_heads, num_kv_heads):
     assert glay.width == int(glay.counts.max())
 
 
+def test_group_layout_and_decode_refuse_mismatches():
+    lay = build_layout(CFG, 4, max_model_len=256)
+    with pytest.raises(ValueError, match="multiple of KVH"):
+        build_group_layout(lay, 3)
+    with pytest.raises(ValueError, match="at most 16 query heads"):
+        build_group_layout(build_layout(BlockSparseConfig(num_heads_total=32), 32, 256), 1)
+    batch = make_batch(DECODE, pad_reqs=0, pad_tokens=0)
+    per_head = layout_for(CFG, batch)           # the prefill layout: one row per query head
+    rows = batch.q.shape[0] * batch.q.shape[1] * 2
+    with pytest.raises(ValueError, match="group layout"):
+        blocksparse_decode(batch.q, batch.kv_cache, batch.seq_lens, batch.block_table, per_head.counts,
+                           per_head.indices, torch.empty(rows, 16), torch.empty(rows, 2), sm_scale=SCALE,
+                           sparse_block_size=CFG.block_size, num_splits=2)
+
+
 @pytest.mark.parametrize("heads", [(4, 1), (8, 1), (6, 2)], ids=["g4", "g8", "g3"])
 def test_decode_kernel_wider_groups(heads):
     """Groups of 3, 4 and 8 query heads with per-head vertical blocks: rows of one program keep
