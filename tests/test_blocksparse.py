@@ -227,7 +227,7 @@ def test_group_layout_and_decode_refuse_mismatches():
     batch = make_batch(DECODE, pad_reqs=0, pad_tokens=0)
     per_head = layout_for(CFG, batch)           # the prefill layout: one row per query head
     rows = batch.q.shape[0] * batch.q.shape[1] * 2
-    with pytest.raises(ValueError, match="group layout"):
+    with pytest.raises(ValueError, match="BlockSparseGroupLayout"):
         blocksparse_decode(batch.q, batch.kv_cache, batch.seq_lens, batch.block_table, per_head.counts,
                            per_head.indices, torch.empty(rows, 16), torch.empty(rows, 2), sm_scale=SCALE,
                            sparse_block_size=CFG.block_size, num_splits=2)

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .blocksparse_prefill import dot_precision
+from .blocksparse_prefill import check_paged_inputs, dot_precision
 from .blocksparse_reduce import blocksparse_reduce
 
 GROUP_BITS = 16  # entry = kb << GROUP_BITS | head bits (the group layout's format; kernels import no layout code)
@@ -132,25 +132,11 @@ def decode_num_splits(num_reqs: int, num_kv_heads: int, layout_width: int, spars
 def _check(q, kv_cache, seq_lens, block_table, counts, entries, partial_out, partial_ml, sparse_block_size,
            num_splits) -> None:
     """Shape/dtype/device checks (static facts only: safe inside capture)."""
-    if q.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
-        raise ValueError(f"expected q (R, H, D) and kv_cache (2, pages, page_size, KVH, D), got "
-                         f"q {tuple(q.shape)}, kv_cache {tuple(kv_cache.shape)}")
+    check_paged_inputs(q, kv_cache, block_table, counts, entries, sparse_block_size, per_kv_head=True)
     num_reqs, num_heads, head_dim = q.shape
-    _, _, page_size, num_kv_heads, cache_dim = kv_cache.shape
-    if cache_dim != head_dim or num_heads % num_kv_heads or q.dtype != kv_cache.dtype:
-        raise ValueError(f"q {tuple(q.shape)} {q.dtype} does not match kv_cache {tuple(kv_cache.shape)} "
-                         f"{kv_cache.dtype} (same head_dim and dtype, H a multiple of KVH)")
-    if head_dim < 16 or head_dim & (head_dim - 1) or num_heads // num_kv_heads > GROUP_BITS:
-        raise ValueError(f"block-sparse decode needs a power-of-two head_dim >= 16 and at most {GROUP_BITS} "
-                         f"query heads per KV head, got head_dim {head_dim}, {num_heads} / {num_kv_heads} heads")
-    if sparse_block_size < 16 or sparse_block_size & (sparse_block_size - 1) or \
-            (sparse_block_size % page_size and page_size % sparse_block_size):
-        raise ValueError(f"sparse block {sparse_block_size}: need a power of two >= 16 that nests with the "
-                         f"KV page size {page_size}")
-    if counts.shape[0] != num_kv_heads or entries.shape[:2] != counts.shape or \
-            counts.dtype != torch.int32 or entries.dtype != torch.int32:
-        raise ValueError(f"group layout counts {tuple(counts.shape)} / entries {tuple(entries.shape)} do not "
-                         f"match {num_kv_heads} KV heads (int32, a BlockSparseGroupLayout)")
+    if num_heads // kv_cache.shape[3] > GROUP_BITS:
+        raise ValueError(f"block-sparse decode takes at most {GROUP_BITS} query heads per KV head, got "
+                         f"{num_heads} / {kv_cache.shape[3]}")
     if seq_lens.shape[0] != num_reqs or block_table.shape[0] != num_reqs:
         raise ValueError(f"decode: q has {num_reqs} tokens but seq_lens {tuple(seq_lens.shape)} and block_table "
                          f"{tuple(block_table.shape)}: a decode-only step has one token per request")
@@ -161,11 +147,6 @@ def _check(q, kv_cache, seq_lens, block_table, counts, entries, partial_out, par
                            or partial_out.shape[1:] != (head_dim,) or partial_ml.shape[1:] != (2,)):
         raise ValueError(f"decode workspace too small: need ({rows}, {head_dim}) and ({rows}, 2), got "
                          f"{tuple(partial_out.shape)} and {tuple(partial_ml.shape)}")
-    for name, t in {"kv_cache": kv_cache, "block_table": block_table, "counts": counts, "entries": entries}.items():
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
-    if q.stride(-1) != 1 or kv_cache.stride(-1) != 1 or not counts.is_contiguous() or not entries.is_contiguous():
-        raise ValueError("q and kv_cache need a contiguous last dim, the group layout contiguous tensors")
 
 
 def _launch_decode(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,

@@ -153,8 +153,10 @@ def _blocksparse_prefill_kernel(
 
 
 def check_paged_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                       counts: torch.Tensor, indices: torch.Tensor, sparse_block_size: int) -> None:
-    """Shape/dtype/device checks shared by the prefill and decode launchers (static facts only)."""
+                       counts: torch.Tensor, indices: torch.Tensor, sparse_block_size: int,
+                       per_kv_head: bool = False) -> None:
+    """Shape/dtype/device checks shared by the prefill and decode launchers (static facts only).
+    The layout has a row per query head, or per KV head with ``per_kv_head`` (the group layout)."""
     if q.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
         raise ValueError(f"expected q (T, H, D) and kv_cache (2, pages, page_size, KVH, D), got "
                          f"q {tuple(q.shape)}, kv_cache {tuple(kv_cache.shape)}")
@@ -170,9 +172,11 @@ def check_paged_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_table: tor
     if sparse_block_size % page_size and page_size % sparse_block_size:
         raise ValueError(f"KV page size {page_size} and sparse block size {sparse_block_size} must nest "
                          "(one must divide the other)")
-    if counts.shape[0] != num_heads or indices.shape[:2] != counts.shape:
+    rows, what = (num_kv_heads, "KV heads (a BlockSparseGroupLayout)") if per_kv_head else (num_heads, "heads")
+    if counts.shape[0] != rows or indices.shape[:2] != counts.shape or \
+            counts.dtype != torch.int32 or indices.dtype != torch.int32:
         raise ValueError(f"layout counts {tuple(counts.shape)} / indices {tuple(indices.shape)} do not "
-                         f"match {num_heads} heads")
+                         f"match {rows} {what}, int32")
     tensors = {"kv_cache": kv_cache, "block_table": block_table, "counts": counts, "indices": indices}
     for name, t in tensors.items():
         if t.device != q.device:
