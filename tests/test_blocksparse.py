@@ -7,24 +7,18 @@ AND token causality, a 0/-inf bias, softmax in float64 with the KV heads repeate
 """
 from __future__ import annotations
 
-import os
+from dataclasses import dataclass
 
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")   # before anything imports triton
-
-from dataclasses import dataclass  # noqa: E402
-
-import pytest  # noqa: E402
-
-from fullgraph.attention import Attention, AttentionMetadata  # noqa: E402
-from fullgraph.attention.backends import BackendLimits  # noqa: E402
-from fullgraph.attention.backends.blocksparse import BlockSparseBackend  # noqa: E402
-from fullgraph.attention.blocksparse import GROUP_BITS, BlockSparseConfig, build_group_layout, build_layout  # noqa: E402
-from fullgraph.kernels import blocksparse_decode as blocksparse_decode_module  # noqa: E402
-from fullgraph.kernels.blocksparse_decode import blocksparse_decode, decode_num_splits  # noqa: E402
-from fullgraph.kernels.blocksparse_prefill import blocksparse_prefill  # noqa: E402
+from fullgraph.attention import Attention, AttentionMetadata
+from fullgraph.attention.backends import BackendLimits
+from fullgraph.attention.backends.blocksparse import BlockSparseBackend
+from fullgraph.attention.blocksparse import GROUP_BITS, BlockSparseConfig, build_group_layout, build_layout
+from fullgraph.kernels import blocksparse_decode as blocksparse_decode_module
+from fullgraph.kernels.blocksparse_decode import blocksparse_decode, decode_num_splits
+from fullgraph.kernels.blocksparse_prefill import blocksparse_prefill
 
 HAS_CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if HAS_CUDA else "cpu")

@@ -6,31 +6,22 @@ The reference is written here (float64, per request: gather pages, positions, ca
 """
 from __future__ import annotations
 
-import os
-
-import torch
-
-if not torch.cuda.is_available():  # before anything imports triton (a conftest may do the same)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
 
 import pytest
+import torch
 
 import fullgraph
 from fullgraph.attention import Attention
 from fullgraph.attention.backends import BackendLimits, get_backend_class
 from fullgraph.attention.metadata import AttentionMetadata
 from fullgraph.kernels import KernelConfig, kv_write, num_kv_splits, paged_attention, split_workspace_rows
-from fullgraph.kernels.paged_attention import INTERPRET, MAX_SPLITS
+from fullgraph.kernels.paged_attention import MAX_SPLITS
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-if DEVICE.type == "cpu" and not INTERPRET:
-    pytest.skip("fullgraph.kernels was imported before TRITON_INTERPRET=1 was set (no CUDA here)",
-                allow_module_level=True)
 NAN = float("nan")
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
