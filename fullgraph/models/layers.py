@@ -8,7 +8,6 @@ formulas run instead (Inductor fuses them itself; they are the reference).
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
@@ -23,58 +22,6 @@ except ImportError:  # no Triton (e.g. macOS): the PyTorch formulas everywhere
 def use_kernels(x: torch.Tensor) -> bool:
     """Fused Triton kernels for this tensor: on CUDA, and not while torch.compile traces."""
     return kernels is not None and x.is_cuda and not torch.compiler.is_compiling()
-
-
-class WeightPrefetch:
-    """Overlaps a captured step's HBM-idle phases with L2 prefetches of the weights read next.
-
-    A decode step's GEMMs are weight-bound; between them, chains of small latency-bound kernels
-    (norm, RoPE + KV write, attention, activation) leave HBM idle. Right after a GEMM is queued,
-    ``weight(w)`` starts pulling the head of the *next* GEMM's weight ``w`` into L2 on a side
-    stream (``kernels.l2_prefetch``), so that GEMM finds part of it there. ``join()`` makes the
-    current stream wait for the side stream; a model calls it at the end of its forward, as CUDA
-    graph capture requires every forked stream to rejoin.
-
-    A hint only (results are bit-identical with it off). Active only while a CUDA graph is being
-    captured on an sm_90+ device, outside ``torch.compile`` tracing: eager steps are bound by the
-    host, where the extra launch would only cost. ``max_bytes`` caps each prefetch (L2 holds
-    50 MB on an H100/H200); 0 turns prefetching off. Default from ``FULLGRAPH_L2_PREFETCH_MB``.
-    """
-
-    def __init__(self, max_bytes: int | None = None) -> None:
-        env = os.environ.get(ENV_L2_PREFETCH_MB)
-        self.max_bytes = max_bytes if max_bytes is not None else \
-            int(float(env) * 2**20) if env else DEFAULT_L2_PREFETCH_BYTES
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
-        self._pending: set[torch.device] = set()
-
-    def _active(self, w: torch.Tensor) -> bool:
-        return (self.max_bytes > 0 and use_kernels(w) and torch.cuda.is_current_stream_capturing()
-                and kernels.l2_prefetch_supported(w.device))
-
-    def weight(self, w: torch.Tensor) -> None:
-        """Prefetch the head of ``w`` after the work queued so far on the current stream."""
-        if not self._active(w):
-            return
-        side = self._streams.get(w.device)
-        if side is None:
-            side = self._streams[w.device] = torch.cuda.Stream(w.device)
-        side.wait_stream(torch.cuda.current_stream(w.device))
-        with torch.cuda.stream(side):
-            kernels.l2_prefetch(w, self.max_bytes)
-        self._pending.add(w.device)
-
-    def join(self) -> None:
-        """The current stream waits for every prefetch issued (a no-op when none was)."""
-        for device in self._pending:
-            torch.cuda.current_stream(device).wait_stream(self._streams[device])
-        self._pending.clear()
-
-
-ENV_L2_PREFETCH_MB = "FULLGRAPH_L2_PREFETCH_MB"
-DEFAULT_L2_PREFETCH_BYTES = 24 * 2**20
-prefetch = WeightPrefetch()
-"""The process-wide prefetcher the models call (``prefetch.weight(w)``, ``prefetch.join()``)."""
 
 
 class RMSNorm(nn.Module):
@@ -126,13 +73,7 @@ class PreNormDecoderLayer(nn.Module):
     """A pre-norm decoder layer over a residual stream: subclasses set ``input_layernorm``,
     ``self_attn``, ``post_attention_layernorm`` and ``mlp``; each norm takes ``(x, residual)``
     and adds before normalising (one fused launch on CUDA), so a layer returns its output and the
-    residual unsummed and the next norm (the next layer's, or the final one) adds them.
-
-    ``self_attn`` and ``mlp`` each expose ``first_weight``, the weight of their first GEMM, and
-    prefetch their second GEMM's weight themselves (``prefetch.weight``) right after the first
-    one; the layer prefetches the MLP's first weight after attention, the model the next layer's
-    after each layer.
-    """
+    residual unsummed and the next norm (the next layer's, or the final one) adds them."""
 
     def forward(self, x, residual, positions, rope, kv_cache, metadata) -> tuple[torch.Tensor, torch.Tensor]:
         """(layer output, residual stream); ``residual`` is None for the first layer."""
@@ -141,13 +82,8 @@ class PreNormDecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, positions, rope, kv_cache, metadata)
-        prefetch.weight(self.mlp.first_weight)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
-
-    @property
-    def first_weight(self) -> torch.Tensor:
-        return self.self_attn.first_weight
 
 
 def rope_inv_freq(head_dim: int, base: float) -> torch.Tensor:

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from ..attention import Attention, AttentionMetadata
-from .layers import (PreNormDecoderLayer, RMSNorm, RotaryEmbedding, init_random_, llama3_inv_freq, prefetch,
-                     rope_inv_freq, silu_and_mul)
+from .layers import (PreNormDecoderLayer, RMSNorm, RotaryEmbedding, init_random_, llama3_inv_freq, rope_inv_freq,
+                     silu_and_mul)
 from .loading import fuse, load_config, load_safetensors_dir
 
 
@@ -91,16 +91,11 @@ class LlamaAttention(nn.Module):
     def forward(self, x, positions, rope: RotaryEmbedding, kv_cache, metadata) -> torch.Tensor:
         a = self.attn
         q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        prefetch.weight(self.o_proj.weight)
         q = q.view(-1, a.num_heads, a.head_dim)          # (T, H, D)
         k = k.view(-1, a.num_kv_heads, a.head_dim)       # (T, KVH, D)
         v = v.view(-1, a.num_kv_heads, a.head_dim)
         # Attention rotates q and k (in the KV-write kernel where the backend can fuse it).
         return self.o_proj(a(q, k, v, kv_cache, metadata, rope=rope, positions=positions))
-
-    @property
-    def first_weight(self) -> torch.Tensor:
-        return self.qkv_proj.weight
 
 
 class LlamaMLP(nn.Module):
@@ -110,13 +105,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False, **factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        u = self.gate_up_proj(x)
-        prefetch.weight(self.down_proj.weight)
-        return self.down_proj(silu_and_mul(u))
-
-    @property
-    def first_weight(self) -> torch.Tensor:
-        return self.gate_up_proj.weight
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(PreNormDecoderLayer):
@@ -163,13 +152,9 @@ class Llama(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 metadata: AttentionMetadata) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None                  # (T, hidden)
-        head = (self.embed_tokens if self.lm_head is None else self.lm_head).weight
-        for layer, kv_cache, after in zip(self.layers, kv_caches, [*self.layers[1:], None]):
+        for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, positions, self.rotary, kv_cache, metadata)
-            prefetch.weight(head if after is None else after.first_weight)
-        x = self.norm(x, residual)[0]
-        prefetch.join()
-        return x
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

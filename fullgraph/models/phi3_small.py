@@ -13,8 +13,7 @@ import torch
 from torch import nn
 
 from ..attention import Attention, AttentionMetadata, BlockSparseConfig
-from .layers import (LayerNorm, PreNormDecoderLayer, RotaryEmbedding, init_random_, kernels, prefetch, rope_inv_freq,
-                     use_kernels)
+from .layers import LayerNorm, PreNormDecoderLayer, RotaryEmbedding, init_random_, kernels, rope_inv_freq, use_kernels
 from .loading import load_config, load_safetensors_dir
 
 # <|dummy_id_k|>, the FIM ids 100258-100260 and <|endofprompt|> 100276: masked in the logits.
@@ -198,13 +197,8 @@ class Phi3SmallAttention(nn.Module):
         # All three stay views: RoPE (fused into the KV write where the backend can) reads the
         # grouped q and writes (T, H, D); the KV write reads k and v.
         qkv = self.query_key_value(x).view(-1, a.num_kv_heads, group + 2, a.head_dim)   # (T, KVH, G+2, D)
-        prefetch.weight(self.dense.weight)
         q, k, v = qkv[:, :, :group], qkv[:, :, group], qkv[:, :, group + 1]              # (T, KVH, G|-, D)
         return self.dense(a(q, k, v, kv_cache, metadata, rope=rope, positions=positions))
-
-    @property
-    def first_weight(self) -> torch.Tensor:
-        return self.query_key_value.weight
 
 
 class Phi3SmallMLP(nn.Module):
@@ -215,13 +209,7 @@ class Phi3SmallMLP(nn.Module):
         self.down_proj = nn.Linear(c.ff_intermediate_size, c.hidden_size, bias=True, **factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        u = self.up_proj(x)
-        prefetch.weight(self.down_proj.weight)
-        return self.down_proj(gegelu(u, self.limit))
-
-    @property
-    def first_weight(self) -> torch.Tensor:
-        return self.up_proj.weight
+        return self.down_proj(gegelu(self.up_proj(x), self.limit))
 
 
 class Phi3SmallDecoderLayer(PreNormDecoderLayer):
@@ -276,12 +264,9 @@ class Phi3Small(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 metadata: AttentionMetadata) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids) * self.config.mup_embedding_multiplier, None  # (T, hidden)
-        for layer, kv_cache, after in zip(self.layers, kv_caches, [*self.layers[1:], None]):
+        for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, positions, self.rotary, kv_cache, metadata)
-            prefetch.weight(self.embed_tokens.weight if after is None else after.first_weight)
-        x = self.final_layernorm(x, residual)[0]
-        prefetch.join()
-        return x
+        return self.final_layernorm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = (hidden @ self.embed_tokens.weight.t()).float() / self.config.mup_width_multiplier  # (N, vocab)
