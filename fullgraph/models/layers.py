@@ -24,6 +24,25 @@ def use_kernels(x: torch.Tensor) -> bool:
     return kernels is not None and x.is_cuda and not torch.compiler.is_compiling()
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` whose one-row steps on CUDA (batch-1 decode) run ``kernels.linear``, a
+    weight-streaming kernel that beats cuBLAS there (one launch, no split-K reduce; measured in
+    ``benchmarks/sweep_linear.py``); every other call is ``F.linear``. Being a registered op,
+    it is used under ``torch.compile`` too (Inductor would call cuBLAS for it anyway). A gated
+    MLP asks ``uses_kernel(x)`` and then calls ``kernels.linear`` with its activation fused.
+    """
+
+    def uses_kernel(self, x: torch.Tensor) -> bool:
+        w = self.weight
+        return (kernels is not None and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1
+                and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype and w.is_contiguous())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.uses_kernel(x):
+            return kernels.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm computed in float32, returned in the input dtype.
 

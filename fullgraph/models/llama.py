@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from ..attention import Attention, AttentionMetadata
-from .layers import (PreNormDecoderLayer, RMSNorm, RotaryEmbedding, init_random_, llama3_inv_freq, rope_inv_freq,
-                     silu_and_mul)
+from .layers import (Linear, PreNormDecoderLayer, RMSNorm, RotaryEmbedding, init_random_, kernels, llama3_inv_freq,
+                     rope_inv_freq, silu_and_mul)
 from .loading import fuse, load_config, load_safetensors_dir
 
 
@@ -84,8 +84,8 @@ class LlamaAttention(nn.Module):
     def __init__(self, c: LlamaConfig, **factory) -> None:
         super().__init__()
         self.q_size, self.kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.attention_bias, **factory)
-        self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=c.attention_bias, **factory)
+        self.qkv_proj = Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.attention_bias, **factory)
+        self.o_proj = Linear(self.q_size, c.hidden_size, bias=c.attention_bias, **factory)
         self.attn = Attention(c.num_heads, c.num_kv_heads, c.head_dim, scale=c.head_dim ** -0.5)
 
     def forward(self, x, positions, rope: RotaryEmbedding, kv_cache, metadata) -> torch.Tensor:
@@ -101,11 +101,14 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, c: LlamaConfig, **factory) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False, **factory)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False, **factory)
+        self.gate_up_proj = Linear(c.hidden_size, 2 * c.intermediate_size, bias=False, **factory)
+        self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=False, **factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        up = self.gate_up_proj
+        if up.uses_kernel(x):  # projection and SwiGLU in one launch
+            return self.down_proj(kernels.linear(x, up.weight, up.bias, "silu_and_mul"))
+        return self.down_proj(silu_and_mul(up(x)))
 
 
 class LlamaDecoderLayer(PreNormDecoderLayer):

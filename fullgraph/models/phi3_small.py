@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..attention import Attention, AttentionMetadata, BlockSparseConfig
-from .layers import LayerNorm, PreNormDecoderLayer, RotaryEmbedding, init_random_, kernels, rope_inv_freq, use_kernels
+from .layers import LayerNorm, Linear, PreNormDecoderLayer, RotaryEmbedding, init_random_, kernels, rope_inv_freq, use_kernels
 from .loading import load_config, load_safetensors_dir
 
 # <|dummy_id_k|>, the FIM ids 100258-100260 and <|endofprompt|> 100276: masked in the logits.
@@ -183,8 +183,8 @@ class Phi3SmallAttention(nn.Module):
     def __init__(self, c: Phi3SmallConfig, layer: int, **factory) -> None:
         super().__init__()
         h, kvh, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.query_key_value = nn.Linear(c.hidden_size, (h + 2 * kvh) * d, bias=True, **factory)
-        self.dense = nn.Linear(h * d, c.hidden_size, bias=True, **factory)
+        self.query_key_value = Linear(c.hidden_size, (h + 2 * kvh) * d, bias=True, **factory)
+        self.dense = Linear(h * d, c.hidden_size, bias=True, **factory)
         n = c.dense_attention_every_n_layers
         dense = n is not None and (layer + 1) % n == 0
         self.attn = Attention(h, kvh, d, scale=c.attn_scale, kind="dense" if dense else "blocksparse",
@@ -205,11 +205,15 @@ class Phi3SmallMLP(nn.Module):
     def __init__(self, c: Phi3SmallConfig, **factory) -> None:
         super().__init__()
         self.limit = c.gegelu_limit
-        self.up_proj = nn.Linear(c.hidden_size, 2 * c.ff_intermediate_size, bias=True, **factory)
-        self.down_proj = nn.Linear(c.ff_intermediate_size, c.hidden_size, bias=True, **factory)
+        self.up_proj = Linear(c.hidden_size, 2 * c.ff_intermediate_size, bias=True, **factory)
+        self.down_proj = Linear(c.ff_intermediate_size, c.hidden_size, bias=True, **factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gegelu(self.up_proj(x), self.limit))
+        up = self.up_proj
+        if up.uses_kernel(x):  # projection and GeGeLU in one launch
+            limit = kernels.linear_no_limit if self.limit is None else self.limit
+            return self.down_proj(kernels.linear(x, up.weight, up.bias, "gegelu", limit))
+        return self.down_proj(gegelu(up(x), self.limit))
 
 
 class Phi3SmallDecoderLayer(PreNormDecoderLayer):
