@@ -69,11 +69,11 @@ def main() -> None:
                 if bn * bk > 32768 or (m > 1 and bn < 16):  # m > 1 takes the tl.dot path
                     continue
                 cfg = (bn, bk, nw)
-                err = (launch(x, *weights[0], cfg).float() - ref).abs().max().item()
+                err = (launch(x, *weights[0], config=cfg).float() - ref).abs().max().item()
                 if err > 0.05:
                     print(f"  {name} m={m} {cfg}: max error {err:.3g}, skipped")
                     continue
-                results.append((f"{bn}x{bk} w{nw}", time_calls(lambda w, b: launch(x, w, b, cfg), weights)))
+                results.append((f"{bn}x{bk} w{nw}", time_calls(lambda w, b: launch(x, w, b, config=cfg), weights)))
             results.sort(key=lambda r: r[1])
             mb = n * k * 2 / 1e6
             cub = dict(results)["cublas"]

@@ -82,8 +82,10 @@ def launch_config(n: int) -> tuple[int, int, int]:
     layers need small column blocks for enough programs to stream HBM; wide ones do not."""
     if n <= 3072:
         return 4, 1024, 8
-    if n <= 8192:
+    if n <= 4096:
         return 8, 1024, 8
+    if n <= 8192:
+        return 4, 512, 4
     return 32, 256, 8
 
 
