@@ -150,3 +150,27 @@ def test_bf16_model_shapes_flash_rule(n, k, activation, norm):
         assert torch.equal(h, x + res)
     base = (cublas.double() - want).abs().max().item()
     assert (got.double() - want).abs().max().item() <= 2 * base + 1e-3
+
+
+@pytest.mark.parametrize("preset", ["llama", "phi3"])
+def test_decoder_layers_with_the_fused_one_row_path_match_the_separate_ops(monkeypatch, preset):
+    """Force the one-row kernels (the path a CUDA batch-1 step takes) on the CPU through the
+    Triton interpreter: a whole decode step's logits match the separate-op path."""
+    import fullgraph as fg
+
+    make = {"llama": lambda: fg.models.Llama(fg.models.LlamaConfig.toy()),
+            "phi3": lambda: fg.models.Phi3Small(fg.models.Phi3SmallConfig.toy())}[preset]
+
+    def run_steps():
+        runner = fg.FullGraphRunner(make(), max_num_seqs=2, max_num_tokens=32, max_model_len=128,
+                                    cudagraph="none", attention="sdpa")
+        ids = runner.blocks.allocate(2)
+        runner.step([fg.SeqChunk([5, 9, 2, 7], 0, ids)])
+        return torch.cat([runner.step([fg.SeqChunk([t], 4 + i, ids)]).logits for i, t in enumerate((3, 11))])
+
+    want = run_steps()
+    calls = []
+    monkeypatch.setattr(Linear, "uses_kernel", lambda self, x: calls.append(1) or x.shape[0] == 1)
+    got = run_steps()
+    assert calls
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
