@@ -1,13 +1,11 @@
 """Our weight-streaming linear (``fullgraph.kernels.linear``) against cuBLAS at decode shapes.
 
-    PYTHONPATH=. python benchmarks/sweep_linear.py [--rows 1 16] [--norm] [--out sweep_linear.json]
+    PYTHONPATH=. python benchmarks/sweep_linear.py [--rows 1 16] [--out sweep_linear.json]
 
 GPU script: prints, per weight shape of the llama-1b and Phi-3-Small layers and per row count,
 cuBLAS (``F.linear``) and every launch configuration of ours, best first; writes JSON; never
 asserts on time. Each timing is a CUDA graph of back-to-back calls cycling over weight copies
 (>= 256 MB, so every call reads HBM, as in a real step). TB/s = weight bytes / time.
-``--norm`` (one row): the input projections with the residual add + norm before them, as two
-launches (norm kernel, then our linear) and fused (``norm_linear``, every configuration).
 """
 from __future__ import annotations
 
@@ -19,7 +17,6 @@ import torch
 import torch.nn.functional as F
 
 from fullgraph.kernels.linear import launch
-from fullgraph.kernels.norm import add_layer_norm, add_rms_norm
 
 SHAPES = {  # name: (N, K, bias)
     "llama1b.qkv": (3072, 2048, False), "llama1b.o": (2048, 2048, False),
@@ -27,8 +24,6 @@ SHAPES = {  # name: (N, K, bias)
     "phi3.qkv": (6144, 4096, True), "phi3.dense": (4096, 4096, True),
     "phi3.up": (28672, 4096, True), "phi3.down": (4096, 14336, True),
 }
-NORMED = {"llama1b.qkv": ("rms", "none"), "llama1b.gate_up": ("rms", "silu_and_mul"),
-          "phi3.qkv": ("layer", "none"), "phi3.up": ("layer", "gegelu")}  # the projections after a norm
 HBM_BYTES = 256 * 2**20
 
 
@@ -59,32 +54,26 @@ def main() -> None:
     p.add_argument("--block-n", type=int, nargs="+", default=[4, 8, 16, 32])
     p.add_argument("--block-k", type=int, nargs="+", default=[256, 512, 1024])
     p.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8])
-    p.add_argument("--norm", action="store_true", help="time the norm-fused input projections instead")
     p.add_argument("--out", default="sweep_linear.json")
     args = p.parse_args()
     dev, rows = torch.device("cuda"), []
     for name, (n, k, has_bias) in SHAPES.items():
-        if args.norm and name not in NORMED:
-            continue
         copies = max(2, -(-HBM_BYTES // (n * k * 2)))
         weights = [(torch.randn(n, k, device=dev, dtype=torch.bfloat16) * k ** -0.5,
                     torch.randn(n, device=dev, dtype=torch.bfloat16) if has_bias else None) for _ in range(copies)]
         for m in args.rows:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            if args.norm:
-                rows.append(_normed_row(name, x, weights, args))
-                continue
             ref = F.linear(x.float(), weights[0][0].float(), None if weights[0][1] is None else weights[0][1].float())
             results = [("cublas", time_calls(lambda w, b: F.linear(x, w, b), weights))]
             for bn, bk, nw in itertools.product(args.block_n, args.block_k, args.warps):
                 if bn * bk > 32768 or (m > 1 and bn < 16):  # m > 1 takes the tl.dot path
                     continue
                 cfg = (bn, bk, nw)
-                err = (launch(x, *weights[0], config=cfg)[0].float() - ref).abs().max().item()
+                err = (launch(x, *weights[0], config=cfg).float() - ref).abs().max().item()
                 if err > 0.05:
                     print(f"  {name} m={m} {cfg}: max error {err:.3g}, skipped")
                     continue
-                results.append((f"{bn}x{bk} w{nw}", time_calls(lambda w, b: launch(x, w, b, config=cfg)[0], weights)))
+                results.append((f"{bn}x{bk} w{nw}", time_calls(lambda w, b: launch(x, w, b, config=cfg), weights)))
             results.sort(key=lambda r: r[1])
             mb = n * k * 2 / 1e6
             cub = dict(results)["cublas"]
@@ -94,33 +83,6 @@ def main() -> None:
         del weights
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=1)
-
-
-def _normed_row(name, x, weights, args) -> dict:
-    kind, act = NORMED[name]
-    k = x.shape[1]
-    res, g = torch.randn_like(x), 1 + 0.1 * torch.randn(k, device=x.device, dtype=x.dtype)
-    nb = 0.1 * torch.randn(k, device=x.device, dtype=x.dtype) if kind == "layer" else None
-
-    def separate(w, b, cfg=None):
-        y = add_layer_norm(x, res, g, nb, 1e-5)[0] if kind == "layer" else add_rms_norm(x, res, g, 1e-5)[0]
-        return launch(y, w, b, act, 20.0, config=cfg)[0]
-
-    def fused(w, b, cfg=None):
-        return launch(x, w, b, act, 20.0, config=cfg, norm=(res, g, nb, 1e-5))[0]
-
-    results = [("norm+linear", time_calls(separate, weights)), ("fused", time_calls(fused, weights))]
-    ref = separate(*weights[0]).float()
-    for bn, bk, nw in itertools.product(args.block_n, args.block_k, args.warps):
-        cfg = (bn, bk, nw)
-        if bn * bk > 32768 or (fused(*weights[0], cfg).float() - ref).abs().max().item() > 0.1:
-            continue
-        results.append((f"fused {bn}x{bk} w{nw}", time_calls(lambda w, b: fused(w, b, cfg), weights)))
-    results.sort(key=lambda r: r[1])
-    us = dict(results)
-    print(f"{name:16s} {kind} norm + {act}: separate {us['norm+linear']:.1f}us, fused {us['fused']:.1f}us | best: "
-          + "  ".join(f"{c} {t:.1f}" for c, t in results[:4]), flush=True)
-    return {"shape": name, "rows": 1, "norm": kind, "activation": act, "us": us}
 
 
 if __name__ == "__main__":

@@ -16,8 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import fullgraph as fg
-from fullgraph.models.layers import gegelu
-from fullgraph.models.phi3_small import LongRopeScaling, Phi3Small, Phi3SmallConfig
+from fullgraph.models.phi3_small import LongRopeScaling, Phi3Small, Phi3SmallConfig, gegelu
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 TOY_WINDOW = 64  # toy: 4 local blocks x 16 tokens

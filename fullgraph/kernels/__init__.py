@@ -7,7 +7,7 @@ from __future__ import annotations
 from .activation import gegelu, silu_and_mul
 from .kv_write import kv_write, write_kv
 from .linear import NO_LIMIT as linear_no_limit
-from .linear import linear, norm_linear
+from .linear import linear
 from .norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
 from .paged_attention import (KernelConfig, default_config, num_kv_splits, paged_attention,
                               split_workspace_rows)
@@ -15,6 +15,6 @@ from .rope import rope
 from .rope_kv_write import rope_kv_write
 from .split_kv_reduce import split_kv_reduce
 
-__all__ = ["KernelConfig", "add_layer_norm", "add_rms_norm", "default_config", "gegelu", "kv_write", "layer_norm",
-           "linear", "linear_no_limit", "norm_linear", "num_kv_splits", "paged_attention", "rms_norm", "rope",
-           "rope_kv_write", "silu_and_mul", "split_kv_reduce", "split_workspace_rows", "write_kv"]
+__all__ = ["KernelConfig", "add_layer_norm", "add_rms_norm", "default_config", "gegelu", "kv_write", "linear", "linear_no_limit",
+           "layer_norm", "num_kv_splits", "paged_attention", "rms_norm", "rope", "rope_kv_write",
+           "silu_and_mul", "split_kv_reduce", "split_workspace_rows", "write_kv"]

@@ -10,13 +10,6 @@ padded to 16) otherwise. Bias is added in the epilogue, then optionally a gated 
 (GeGeLU over interleaved column pairs, SwiGLU over [gate | up] halves, whose rows a program
 loads interleaved), so the MLP's up-projection and activation are one launch.
 
-With ``norm_linear`` (one row) the residual add and the RMSNorm / LayerNorm before the
-projection run in the same launch: every program streams all of ``h = x + residual`` anyway,
-so it also accumulates sum(h) and sum(h^2) and the norm is applied in the epilogue, by
-linearity: ``W (g*h*inv) = inv * W(g*h)`` (RMS) and ``W (g*(h-mean)*inv + nb) =
-inv * (W(g*h) - mean * Wg) + W nb`` (LayerNorm; Wg, W nb accumulated from the same weight tile).
-Program 0 writes h, the new residual stream.
-
 Layout contract: x (M, K) with unit column stride, w (N, K) contiguous, b (N,) or None;
 returns a new (M, N) tensor in x's dtype. Registered as ``fullgraph::linear`` (with a fake), so
 ``torch.compile`` keeps it one opaque launch. Models use it for one-row steps only
@@ -32,10 +25,9 @@ import triton.language as tl
 @triton.jit
 def _linear_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr,
-    res_ptr, g_ptr, nb_ptr, h_ptr,              # norm prologue (NORM > 0, one row only)
-    M, N, K, limit, eps,
+    M, N, K, limit,
     stride_xm, stride_om,
-    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -51,34 +43,11 @@ def _linear_kernel(
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
     if BLOCK_M == 1:
         acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        acc2 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        acc3 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        s1 = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        s2 = tl.zeros((BLOCK_K,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k_ok = k0 + rk < K
-            w = tl.load(w_rows + (k0 + rk)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            w = tl.load(w_rows + (k0 + rk)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             x = tl.load(x_ptr + k0 + rk, mask=k_ok, other=0.0)
-            if NORM == 0:
-                acc1 += tl.sum(w * x.to(tl.float32)[None, :], axis=1)
-            else:
-                h = x + tl.load(res_ptr + k0 + rk, mask=k_ok, other=0.0)    # the residual stream, input dtype
-                if pid == 0:
-                    tl.store(h_ptr + k0 + rk, h, mask=k_ok)
-                hf = h.to(tl.float32)
-                s1 += hf
-                s2 += hf * hf
-                g = tl.load(g_ptr + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)
-                acc1 += tl.sum(w * (g * hf)[None, :], axis=1)
-                if NORM == 2:
-                    acc2 += tl.sum(w * g[None, :], axis=1)
-                    acc3 += tl.sum(w * tl.load(nb_ptr + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)[None, :], axis=1)
-        if NORM == 1:    # RMSNorm: W (g * h * inv) = inv * W (g * h)
-            acc1 = acc1 / tl.sqrt(tl.sum(s2, axis=0) / K + eps)
-        elif NORM == 2:  # LayerNorm: W (g * (h - mean) * inv + nb) = inv * (W (g * h) - mean * W g) + W nb
-            mean = tl.sum(s1, axis=0) / K
-            var = tl.maximum(tl.sum(s2, axis=0) / K - mean * mean, 0.0)
-            acc1 = (acc1 - mean * acc2) / tl.sqrt(var + eps) + acc3
+            acc1 += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
         acc = acc1[None, :]
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -125,19 +94,10 @@ NO_LIMIT = 1e38   # a GeGeLU limit no finite float32 value reaches (an op schema
 
 
 def launch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, activation: str = "none",
-           limit: float = NO_LIMIT, config: tuple[int, int, int] | None = None,
-           norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, float] | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The launcher behind :func:`linear` and :func:`norm_linear`: returns (out, h), h None
-    without ``norm`` = (residual, norm weight, norm bias or None for RMSNorm, eps). ``config``
-    (BLOCK_N, BLOCK_K, num_warps) overrides :func:`launch_config` (benchmarks sweep it)."""
+           limit: float = NO_LIMIT, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """The launcher behind :func:`linear`; ``config`` (BLOCK_N, BLOCK_K, num_warps) overrides
+    :func:`launch_config` (benchmarks sweep it)."""
     (m, k), n = x.shape, w.shape[0]
-    if norm is not None:
-        res, g, nb = norm[:3]
-        if m != 1 or res.shape != x.shape or res.stride(-1) != 1 or g.shape != (k,) or (nb is not None and nb.shape != (k,)):
-            raise ValueError(f"norm_linear: one row only, residual of x's shape {tuple(x.shape)} with unit column "
-                             f"stride, norm weight/bias ({k},); got m={m}, residual {tuple(res.shape)}, norm weight "
-                             f"{tuple(g.shape)}, bias {None if nb is None else tuple(nb.shape)}")
     if activation not in ACTIVATIONS or (activation != "none" and n % 2):
         raise ValueError(f"linear: activation must be one of {sorted(ACTIVATIONS)} (gated ones need an even "
                          f"number of weight rows), got {activation!r} with {n} rows")
@@ -146,20 +106,16 @@ def launch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, activation:
                          f"{k} columns, b (N,) or None; got w strides {w.stride()}, b "
                          f"{None if b is None else tuple(b.shape)}")
     out = torch.empty((m, n if activation == "none" else n // 2), dtype=x.dtype, device=x.device)
-    h = torch.empty_like(x, memory_format=torch.contiguous_format) if norm is not None else None
     if m == 0:
-        return out, h
+        return out
     block_n, block_k, num_warps = config or launch_config(n)
     if m > 1 and config is None:  # rows padded to 16 for tl.dot
         block_n, block_k, num_warps = max(block_n, 16), min(block_k, 512), 4
     block_m = 1 if m == 1 else max(16, triton.next_power_of_2(m))
-    res, g, nb, eps = norm if norm is not None else (x, x, None, 0.0)
     _linear_kernel[(triton.cdiv(n, block_n),)](
-        x, w, b if b is not None else w, out, res, g, nb if nb is not None else g, h if h is not None else out,
-        m, n, k, limit, eps, x.stride(0), out.stride(0),
-        HAS_BIAS=b is not None, ACT=ACTIVATIONS[activation], NORM=0 if norm is None else 1 if nb is None else 2,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
-    return out, h
+        x, w, b if b is not None else w, out, m, n, k, limit, x.stride(0), out.stride(0),
+        HAS_BIAS=b is not None, ACT=ACTIVATIONS[activation], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+    return out
 
 
 @torch.library.custom_op("fullgraph::linear", mutates_args=())
@@ -168,23 +124,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, acti
     """``x @ w.T + b`` (M, K) x (N, K) -> (M, N) in x's dtype, float32 accumulation; with a gated
     ``activation`` ("gegelu" over interleaved columns, "silu_and_mul" over [gate | up] halves, as
     in ``kernels.activation``) applied to the float32 result: -> (M, N // 2)."""
-    return launch(x, w, b, activation, limit)[0]
+    return launch(x, w, b, activation, limit)
 
 
 @linear.register_fake
 def _(x, w, b=None, activation="none", limit=NO_LIMIT):
     return x.new_empty((x.shape[0], w.shape[0] if activation == "none" else w.shape[0] // 2))
-
-
-@torch.library.custom_op("fullgraph::norm_linear", mutates_args=())
-def norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, norm_bias: torch.Tensor | None,
-                eps: float, w: torch.Tensor, b: torch.Tensor | None = None, activation: str = "none",
-                limit: float = NO_LIMIT) -> tuple[torch.Tensor, torch.Tensor]:
-    """One row: ``h = x + residual``; ``y = linear(norm(h), w, b, activation, limit)`` with norm
-    RMSNorm (``norm_bias`` None) or LayerNorm, as ``kernels.norm``'s. Returns (y, h)."""
-    return launch(x, w, b, activation, limit, norm=(residual, norm_weight, norm_bias, eps))
-
-
-@norm_linear.register_fake
-def _(x, residual, norm_weight, norm_bias, eps, w, b=None, activation="none", limit=NO_LIMIT):
-    return x.new_empty((1, w.shape[0] if activation == "none" else w.shape[0] // 2)), torch.empty_like(x)

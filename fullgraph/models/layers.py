@@ -31,8 +31,8 @@ class Linear(nn.Linear):
     """``nn.Linear`` whose one-row steps on CUDA (batch-1 decode) run ``kernels.linear``, a
     weight-streaming kernel that beats cuBLAS there (one launch, no split-K reduce; measured in
     ``benchmarks/sweep_linear.py``); every other call is ``F.linear``. Being a registered op,
-    it is used under ``torch.compile`` too (Inductor would call cuBLAS for it anyway). The norms'
-    ``linear`` method fuses the norm before it, and a gated activation after it, into that launch.
+    it is used under ``torch.compile`` too (Inductor would call cuBLAS for it anyway). A gated
+    MLP asks ``uses_kernel(x)`` and then calls ``kernels.linear`` with its activation fused.
     """
 
     def uses_kernel(self, x: torch.Tensor) -> bool:
@@ -69,10 +69,6 @@ class RMSNorm(nn.Module):
         y = self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
         return y if residual is None else (y, x)
 
-    def linear(self, x, residual, proj: Linear, activation: str = "none", limit: float | None = None):
-        """``(gated(proj(norm(x + residual))), x + residual)``: see :func:`norm_linear`."""
-        return norm_linear(self, None, x, residual, proj, activation, limit)
-
 
 class LayerNorm(nn.Module):
     """LayerNorm (weight and bias) in float32, returned in the input dtype, with the fused
@@ -94,58 +90,22 @@ class LayerNorm(nn.Module):
         y = F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
         return y if residual is None else (y, x)
 
-    def linear(self, x, residual, proj: Linear, activation: str = "none", limit: float | None = None):
-        """``(gated(proj(norm(x + residual))), x + residual)``: see :func:`norm_linear`."""
-        return norm_linear(self, self.bias, x, residual, proj, activation, limit)
-
-
-def norm_linear(norm: RMSNorm | LayerNorm, norm_bias: torch.Tensor | None, x: torch.Tensor, residual: torch.Tensor,
-                proj: Linear, activation: str, limit: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Residual add, norm, projection and gated activation (``"none"``, ``"silu_and_mul"`` or
-    ``"gegelu"`` with ``limit``): one ``kernels.norm_linear`` launch for a one-row CUDA step
-    (batch-1 decode, where each of these is a latency-bound launch), the separate ops otherwise."""
-    if proj.uses_kernel(x) and residual.shape == x.shape and residual.stride(-1) == 1:
-        return kernels.norm_linear(x, residual, norm.weight, norm_bias, norm.eps, proj.weight, proj.bias, activation,
-                                   kernels.linear_no_limit if limit is None else limit)
-    y, h = norm(x, residual)
-    return gated(proj(y), activation, limit), h
-
-
-def gated(u: torch.Tensor, activation: str, limit: float | None = None) -> torch.Tensor:
-    """The gated activations of a fused up-projection: ``"none"`` (identity), ``"silu_and_mul"``
-    (SwiGLU over [gate | up] halves) or ``"gegelu"`` (over interleaved columns, clamped at ``limit``)."""
-    if activation == "none":
-        return u
-    if activation == "silu_and_mul":
-        return silu_and_mul(u)
-    if activation == "gegelu":
-        return gegelu(u, limit)
-    raise ValueError(f"unknown gated activation {activation!r} (none, silu_and_mul, gegelu)")
-
 
 class PreNormDecoderLayer(nn.Module):
     """A pre-norm decoder layer over a residual stream: subclasses set ``input_layernorm``,
     ``self_attn``, ``post_attention_layernorm`` and ``mlp``; each norm takes ``(x, residual)``
     and adds before normalising (one fused launch on CUDA), so a layer returns its output and the
-    residual unsummed and the next norm (the next layer's, or the final one) adds them.
-
-    Each norm feeds one projection, and runs inside it (``norm.linear``: one launch in a
-    batch-1 decode step). So ``self_attn`` exposes ``in_proj`` (its QKV projection) and is called
-    on the projected ``qkv``; ``mlp`` exposes ``in_proj`` (the fused up-projection), its
-    ``activation`` and ``limit`` (see :func:`gated`) and ``down_proj``.
-    """
+    residual unsummed and the next norm (the next layer's, or the final one) adds them."""
 
     def forward(self, x, residual, positions, rope, kv_cache, metadata) -> tuple[torch.Tensor, torch.Tensor]:
         """(layer output, residual stream); ``residual`` is None for the first layer."""
-        attn, mlp = self.self_attn, self.mlp
         if residual is None:
             x, residual = self.input_layernorm(x), x
-            qkv = attn.in_proj(x)
         else:
-            qkv, residual = self.input_layernorm.linear(x, residual, attn.in_proj)
-        x = attn(qkv, positions, rope, kv_cache, metadata)
-        u, residual = self.post_attention_layernorm.linear(x, residual, mlp.in_proj, mlp.activation, mlp.limit)
-        return mlp.down_proj(u), residual
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, rope, kv_cache, metadata)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 def rope_inv_freq(head_dim: int, base: float) -> torch.Tensor:
@@ -207,18 +167,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return kernels.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
-
-
-def gegelu(u: torch.Tensor, limit: float | None) -> torch.Tensor:
-    """(..., 2I) -> (..., I): ``a * sigmoid(1.702 a) * (b + 1)`` with ``a = min(u[..., 0::2], limit)``,
-    ``b = clamp(u[..., 1::2], -limit, limit)``; infinities pass unchanged (``clamp`` would cap them)."""
-    if use_kernels(u):
-        return kernels.gegelu(u, math.inf if limit is None else limit)
-    a, b = u[..., 0::2], u[..., 1::2]
-    if limit is not None:
-        a = torch.where(torch.isinf(a), a, a.clamp(max=limit))
-        b = torch.where(torch.isinf(b), b, b.clamp(-limit, limit))
-    return a * torch.sigmoid(1.702 * a) * (b + 1)
 
 
 @torch.no_grad()

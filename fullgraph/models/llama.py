@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from ..attention import Attention, AttentionMetadata
-from .layers import Linear, PreNormDecoderLayer, RMSNorm, RotaryEmbedding, init_random_, llama3_inv_freq, rope_inv_freq
+from .layers import (Linear, PreNormDecoderLayer, RMSNorm, RotaryEmbedding, init_random_, kernels, llama3_inv_freq,
+                     rope_inv_freq, silu_and_mul)
 from .loading import fuse, load_config, load_safetensors_dir
 
 
@@ -87,14 +88,9 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.q_size, c.hidden_size, bias=c.attention_bias, **factory)
         self.attn = Attention(c.num_heads, c.num_kv_heads, c.head_dim, scale=c.head_dim ** -0.5)
 
-    @property
-    def in_proj(self) -> Linear:
-        return self.qkv_proj
-
-    def forward(self, qkv, positions, rope: RotaryEmbedding, kv_cache, metadata) -> torch.Tensor:
-        """``qkv``: the output of ``in_proj`` (the decoder layer fuses the norm before it)."""
+    def forward(self, x, positions, rope: RotaryEmbedding, kv_cache, metadata) -> torch.Tensor:
         a = self.attn
-        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = q.view(-1, a.num_heads, a.head_dim)          # (T, H, D)
         k = k.view(-1, a.num_kv_heads, a.head_dim)       # (T, KVH, D)
         v = v.view(-1, a.num_kv_heads, a.head_dim)
@@ -103,19 +99,16 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU MLP, driven by the decoder layer: ``in_proj`` (norm before it and activation after
-    it fused where possible), then ``down_proj``."""
-
-    activation, limit = "silu_and_mul", None
-
     def __init__(self, c: LlamaConfig, **factory) -> None:
         super().__init__()
         self.gate_up_proj = Linear(c.hidden_size, 2 * c.intermediate_size, bias=False, **factory)
         self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=False, **factory)
 
-    @property
-    def in_proj(self) -> Linear:
-        return self.gate_up_proj
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        up = self.gate_up_proj
+        if up.uses_kernel(x):  # projection and SwiGLU in one launch
+            return self.down_proj(kernels.linear(x, up.weight, up.bias, "silu_and_mul"))
+        return self.down_proj(silu_and_mul(up(x)))
 
 
 class LlamaDecoderLayer(PreNormDecoderLayer):

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..attention import Attention, AttentionMetadata, BlockSparseConfig
-from .layers import LayerNorm, Linear, PreNormDecoderLayer, RotaryEmbedding, init_random_, rope_inv_freq
+from .layers import LayerNorm, Linear, PreNormDecoderLayer, RotaryEmbedding, init_random_, kernels, rope_inv_freq, use_kernels
 from .loading import load_config, load_safetensors_dir
 
 # <|dummy_id_k|>, the FIM ids 100258-100260 and <|endofprompt|> 100276: masked in the logits.
@@ -167,6 +167,18 @@ def _longrope_from_hf(rs: Mapping) -> LongRopeScaling:
                            rs.get("short_mscale"), rs.get("long_mscale"))
 
 
+def gegelu(u: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """(..., 2I) -> (..., I): ``a * sigmoid(1.702 a) * (b + 1)`` with ``a = min(u[..., 0::2], limit)``,
+    ``b = clamp(u[..., 1::2], -limit, limit)``; infinities pass unchanged (``clamp`` would cap them)."""
+    if use_kernels(u):
+        return kernels.gegelu(u, math.inf if limit is None else limit)
+    a, b = u[..., 0::2], u[..., 1::2]
+    if limit is not None:
+        a = torch.where(torch.isinf(a), a, a.clamp(max=limit))
+        b = torch.where(torch.isinf(b), b, b.clamp(-limit, limit))
+    return a * torch.sigmoid(1.702 * a) * (b + 1)
+
+
 class Phi3SmallAttention(nn.Module):
     def __init__(self, c: Phi3SmallConfig, layer: int, **factory) -> None:
         super().__init__()
@@ -178,37 +190,30 @@ class Phi3SmallAttention(nn.Module):
         self.attn = Attention(h, kvh, d, scale=c.attn_scale, kind="dense" if dense else "blocksparse",
                               sparse=None if dense else c.sparse_config())
 
-    @property
-    def in_proj(self) -> Linear:
-        return self.query_key_value
-
-    def forward(self, qkv, positions, rope: RotaryEmbedding, kv_cache, metadata) -> torch.Tensor:
-        """``qkv``: the output of ``in_proj`` (the decoder layer fuses the norm before it)."""
+    def forward(self, x, positions, rope: RotaryEmbedding, kv_cache, metadata) -> torch.Tensor:
         a = self.attn
         group = a.num_heads // a.num_kv_heads
         # Head-major rows: per KV group g, [q_{g*G} .. q_{g*G+G-1}, k_g, v_g] of head_dim each.
         # All three stay views: RoPE (fused into the KV write where the backend can) reads the
         # grouped q and writes (T, H, D); the KV write reads k and v.
-        qkv = qkv.view(-1, a.num_kv_heads, group + 2, a.head_dim)                         # (T, KVH, G+2, D)
+        qkv = self.query_key_value(x).view(-1, a.num_kv_heads, group + 2, a.head_dim)   # (T, KVH, G+2, D)
         q, k, v = qkv[:, :, :group], qkv[:, :, group], qkv[:, :, group + 1]              # (T, KVH, G|-, D)
         return self.dense(a(q, k, v, kv_cache, metadata, rope=rope, positions=positions))
 
 
 class Phi3SmallMLP(nn.Module):
-    """GeGeLU MLP, driven by the decoder layer: ``in_proj`` (norm before it and activation after
-    it fused where possible), then ``down_proj``."""
-
-    activation = "gegelu"
-
     def __init__(self, c: Phi3SmallConfig, **factory) -> None:
         super().__init__()
         self.limit = c.gegelu_limit
         self.up_proj = Linear(c.hidden_size, 2 * c.ff_intermediate_size, bias=True, **factory)
         self.down_proj = Linear(c.ff_intermediate_size, c.hidden_size, bias=True, **factory)
 
-    @property
-    def in_proj(self) -> Linear:
-        return self.up_proj
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        up = self.up_proj
+        if up.uses_kernel(x):  # projection and GeGeLU in one launch
+            limit = kernels.linear_no_limit if self.limit is None else self.limit
+            return self.down_proj(kernels.linear(x, up.weight, up.bias, "gegelu", limit))
+        return self.down_proj(gegelu(up(x), self.limit))
 
 
 class Phi3SmallDecoderLayer(PreNormDecoderLayer):
