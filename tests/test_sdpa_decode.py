@@ -72,12 +72,21 @@ def general(step: Step, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 def fast(step: Step, cache: torch.Tensor) -> torch.Tensor:
     """The fast path, writing into ``cache``."""
     torch_ops.write_kv_indexed(cache, step.k, step.v, *torch_ops.write_index(step.slot_mapping))
-    rows, bias = torch_ops.decode_index(step.seq_lens, step.block_table, BLOCK, cache.shape[3], cache.dtype)
-    return torch_ops.decode_attention_op(step.q, cache, rows, bias, SCALE)
+    index, bias = torch_ops.decode_index(step.seq_lens, step.block_table, BLOCK, cache.shape[3],
+                                         NUM_BLOCKS * BLOCK, cache.dtype, torch_ops.DECODE_GATHER)
+    return torch_ops.decode_attention_op(step.q, cache, index, bias, SCALE, torch_ops.DECODE_GATHER,
+                                         torch_ops.DECODE_ATTENTION)
 
 
-@pytest.fixture(params=["matmul", "sdpa"])
-def variant(request, monkeypatch) -> str:
+@pytest.fixture(params=["slots", "rows"])
+def gather(request, monkeypatch) -> str:
+    monkeypatch.setattr(torch_ops, "DECODE_GATHER", request.param)
+    return request.param
+
+
+@pytest.fixture(params=["matmul", "matmul_keys", "sdpa"])
+def variant(request, gather, monkeypatch) -> str:
+    """Every (DECODE_GATHER, DECODE_ATTENTION) pair."""
     monkeypatch.setattr(torch_ops, "DECODE_ATTENTION", request.param)
     return request.param
 
@@ -127,13 +136,20 @@ def test_bf16_fast_path_close_to_general_path(variant):
     torch.testing.assert_close(got[: step.num_reqs].float(), want, atol=3e-2, rtol=3e-2)
 
 
-def test_decode_index_masks_and_never_points_at_unwritten_slots():
+def test_decode_index_masks_and_never_points_at_unwritten_slots(gather):
     seq_lens = torch.tensor([1, 17, 0], dtype=torch.int32)
     table = torch.tensor([[5, 0, 0], [7, 9, 0], [0, 0, 0]], dtype=torch.int32)
-    rows, bias = torch_ops.decode_index(seq_lens, table, 4 * 4, 2, torch.float32)
-    assert rows.shape == (3, 2, 48) and rows.dtype == torch.int64 and bias.shape == (6, 1, 48)
-    slots, heads = rows // 2, rows % 2
-    assert (heads == torch.arange(2)[None, :, None]).all()
+    num_slots = 12 * 16
+    index, bias = torch_ops.decode_index(seq_lens, table, 16, 2, num_slots, torch.float32, gather)
+    assert index.dtype == torch.int64 and bias.shape == (6, 48)
+    if gather == "slots":      # (K or V, key, request) -> row of kv_cache.view(2 * num_slots, KVH * D)
+        assert index.shape == (2, 48, 3) and index.is_contiguous()
+        assert torch.equal(index[1] - index[0], torch.full((48, 3), num_slots))
+        slots = index[0].t()[:, None, :].expand(3, 2, 48)              # (R, KVH, L), every head alike
+    else:                      # (request, head, key) -> row of kv_cache.view(2, -1, D)
+        assert index.shape == (3, 2, 48)
+        slots, heads = index // 2, index % 2
+        assert (heads == torch.arange(2)[None, :, None]).all()
     assert slots[0].unique().tolist() == [5 * 16]                      # only key 0, then repeats of it
     assert slots[1, 0, :17].tolist() == list(range(7 * 16, 8 * 16)) + [9 * 16]
     assert (slots[1, :, 17:] == 7 * 16).all()                          # past seq_len: own position 0
@@ -141,6 +157,24 @@ def test_decode_index_masks_and_never_points_at_unwritten_slots():
     keep = bias.view(3, 2, 48) == 0
     assert keep.sum(-1).tolist() == [[1, 1], [17, 17], [1, 1]]
     assert torch.isneginf(bias.view(3, 2, 48)[~keep]).all()
+
+
+def test_slots_gather_is_one_flat_index_and_copies_nothing_else():
+    """The layout CUDA's vectorized gather needs: one contiguous int64 index into a 2-D view whose
+    rows are whole slots; K and V come back as views of that one result (no copy per layer)."""
+    cache = torch.randn(2, NUM_BLOCKS, BLOCK, 2, DIM)
+    step = make_step(np.random.default_rng(3), cache, [5, 40], 1, 4)
+    index, _ = torch_ops.decode_index(step.seq_lens, step.block_table, BLOCK, 2, NUM_BLOCKS * BLOCK,
+                                      cache.dtype, "slots")
+    k, v = torch_ops._gather(cache, index, "slots")
+    assert k.shape == v.shape == (3 * 2, MAX_BLOCKS * BLOCK, DIM)
+    assert k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+    assert k.stride() == (DIM, 3 * 2 * DIM, 1)                         # (R*KVH, L, D) over (L, R*KVH, D)
+    flat = cache.view(2, -1, 2, DIM)
+    slots = index[0]                                                   # (L, R)
+    for r, h, key in [(0, 1, 0), (1, 0, 39), (1, 1, 100), (2, 0, 7)]:
+        assert torch.equal(k[r * 2 + h, key], flat[0, slots[key, r], h])
+        assert torch.equal(v[r * 2 + h, key], flat[1, slots[key, r], h])
 
 
 def test_write_kv_indexed_byte_identity_with_minus_one_slots():
@@ -191,7 +225,7 @@ def test_backend_builds_the_step_index_once_for_all_layers(monkeypatch):
         torch.testing.assert_close(g.view(-1, 4, DIM)[: step.num_reqs], w, atol=1e-5, rtol=1e-5)
 
 
-def test_backend_compiled_matches_eager_and_shares_the_index():
+def test_backend_compiled_matches_eager_and_shares_the_index(gather):
     """``torch.compile(fullgraph=True, dynamic=True)``: the step index is one node feeding every
     layer, the ops stay opaque, and the result equals eager."""
     backend, layers = backend_layers(2, 4, 2)
@@ -231,14 +265,16 @@ def test_backend_compiled_matches_eager_and_shares_the_index():
     assert targets.count("clamp") == 1                          # write_index: once, shared
 
 
-def test_ops_pass_opcheck():
+def test_ops_pass_opcheck(gather):
     rng = np.random.default_rng(13)
     cache = make_cache(2)
     step = make_step(rng, cache, [17, 3], 1, 4)
     cache = torch.nan_to_num(cache)  # opcheck compares runs with NaN != NaN
-    rows, bias = torch_ops.decode_index(step.seq_lens, step.block_table, BLOCK, 2, torch.float32)
+    args = (step.seq_lens, step.block_table, BLOCK, 2, NUM_BLOCKS * BLOCK, torch.float32, gather)
+    index, bias = torch_ops.decode_index(*args)
     safe, valid = torch_ops.write_index(step.slot_mapping)
-    torch.library.opcheck(torch.ops.fullgraph.reference_decode_index.default,
-                          (step.seq_lens, step.block_table, BLOCK, 2, torch.float32))
-    torch.library.opcheck(torch.ops.fullgraph.paged_decode_reference.default, (step.q, cache, rows, bias, SCALE))
+    torch.library.opcheck(torch.ops.fullgraph.reference_decode_index.default, args)
+    for attention in ("matmul", "matmul_keys", "sdpa"):
+        torch.library.opcheck(torch.ops.fullgraph.paged_decode_reference.default,
+                              (step.q, cache, index, bias, SCALE, gather, attention))
     torch.library.opcheck(torch.ops.fullgraph.write_kv_indexed.default, (cache, step.k, step.v, safe, valid))

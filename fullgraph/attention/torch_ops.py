@@ -160,49 +160,102 @@ def _(q, kv_cache, query_start_loc, seq_lens, block_table, scale, decode_only, s
 # no zeroing of keys: per layer it is one gather of K/V plus one attention computation. Everything
 # that depends only on the step (which slot each key comes from, which keys are masked) is built
 # once per step by ``decode_index`` and shared by every layer.
+#
+# Two choices, passed to the ops by the caller. The backend passes these module settings, read
+# when it runs or is traced, so variants can be timed against each other in one process; tests
+# cover every pair.
+# - ``DECODE_GATHER``: "slots" indexes ``kv_cache.view(2 * num_slots, KVH * D)`` along its first
+#   dim with one contiguous int64 index, an entry per (K or V, key, request), each copying a whole
+#   slot (all KV heads of one position). That is the case CUDA's ``index`` runs as its vectorized
+#   gather (a CTA per entry, 16-byte loads; slot bytes and the cache address must be multiples of
+#   16, else it falls back to the element-wise kernel). "rows" (the earlier layout) indexes
+#   ``kv_cache.view(2, -1, D)[:, rows]``, an entry per (request, KV head, key): a 3-D iteration,
+#   always the element-wise index kernel.
+# - ``DECODE_ATTENTION``: "matmul": baddbmm (bias copy + QK^T), softmax over the last dim, bmm.
+#   "matmul_keys": the same with the scores laid out (R*KVH, L, G), so the softmax reduces over a
+#   middle dim: CUDA's spatial kernel, a block of threads per (request, KV head), instead of a
+#   warp per (request, query head). "sdpa": one ``F.scaled_dot_product_attention`` call.
+DECODE_GATHER = "slots"
+DECODE_ATTENTION = "matmul"
+
+
+def _key_slots(seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: int) -> torch.Tensor:
+    """(R, L) int64: the cache slot each key is read from, L = MB * block_size.
+
+    Key l < seq_len comes from its own slot. Masking alone cannot hide a key: 0 * NaN is NaN, so
+    a masked key whose K or V is NaN (the strict-mode null block, a stale slot) would still poison
+    the row. Keys past ``seq_len`` therefore read the request's own position 0, which it has
+    always written; a padded request (seq_len 0) reads request 0's position 0 (written whenever
+    the step has a real request, since padding comes last).
+    """
+    num_reqs, max_blocks = block_table.shape
+    table = block_table.long()                                                   # int64 once
+    offsets = torch.arange(block_size, device=table.device)
+    slots = torch.add(offsets, table[:, :, None], alpha=block_size).view(num_reqs, -1)  # (R, L)
+    first = torch.where(seq_lens[:, None] > 0, slots[:, :1], slots[:1, :1])         # (R, 1): position 0
+    pos = torch.arange(max_blocks * block_size, device=table.device, dtype=seq_lens.dtype)
+    return torch.where(pos < seq_lens[:, None], slots, first)
 
 
 @torch.library.custom_op("fullgraph::reference_decode_index", mutates_args=())
 def decode_index(seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: int, num_kv_heads: int,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-step gather rows and additive bias for :func:`decode_attention_op`.
+                 num_slots: int, dtype: torch.dtype, gather: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-step gather index and additive bias for :func:`decode_attention_op`.
 
-    seq_lens: (R,); block_table: (R, MB). Returns ``rows`` (R, KVH, L) int64, L = MB * block_size:
-    the row of ``kv_cache.view(2, -1, D)`` holding key l of head h of request r, so one gather
-    yields K/V in the (R * KVH, L, D) layout the batched matmuls take without a copy; and ``bias``
-    (R * KVH, 1, L) in ``dtype``: 0 for l < max(seq_len, 1), -inf after.
+    seq_lens: (R,); block_table: (R, MB); num_slots: num_blocks * block_size of the cache.
+    L = MB * block_size; keys are read from the slots of :func:`_key_slots`. Returns:
 
-    Masking alone cannot hide a key: 0 * NaN is NaN, so a masked key whose K or V is NaN (the
-    strict-mode null block, a stale slot) would still poison the row. Keys past ``seq_len`` are
-    therefore gathered from the request's own position 0, which it has always written. A padded
-    request (seq_len 0) keeps key 0 so its softmax row is never empty, and reads request 0's
-    position 0 (written whenever the step has a real request, since padding comes last): its
-    output is finite garbage, never NaN, although it is not the zeros of the general path.
+    - ``index``, int64, for ``gather`` (see ``DECODE_GATHER``). "slots": (2, L, R), contiguous;
+      entry (i, l, r) is the row of ``kv_cache.view(2 * num_slots, KVH * D)`` holding K (i = 0)
+      or V (i = 1) of key l of request r. L comes before R so that the gathered K and V,
+      (L, R * KVH, D) each, are strided (R * KVH, L, D) batches the matmuls take without a copy.
+      "rows": (R, KVH, L), the row of ``kv_cache.view(2, -1, D)`` holding key l of head h of
+      request r.
+    - ``bias`` (R * KVH, L) in ``dtype``: 0 for l < max(seq_len, 1), -inf after. A padded request
+      keeps key 0, so its softmax row is never empty: its output is finite garbage, never NaN,
+      although it is not the zeros of the general path.
     """
     num_reqs, max_blocks = block_table.shape
     seq_len_max = max_blocks * block_size
-    device, table = block_table.device, block_table.long()      # int64 once: no per-op casts
-    # row of (block b, offset o, head h) = (b * block_size + o) * KVH + h = b * stride + within[h, o]
-    stride = block_size * num_kv_heads
-    within = torch.arange(stride, device=device).view(block_size, num_kv_heads).t().contiguous()  # (KVH, bs)
-    rows = torch.add(within[None, :, None, :], table[:, None, :, None], alpha=stride)  # (R, KVH, MB, bs)
-    first = torch.where(seq_lens[:, None] > 0, table[:, :1], table[:1, :1])            # (R, 1) block of position 0
-    first = torch.add(within[None, :, :1], first[:, :, None], alpha=stride)            # (R, KVH, 1)
-    pos = torch.arange(seq_len_max, device=device, dtype=seq_lens.dtype)                # (L,)
-    live = (pos < seq_lens[:, None])[:, None, :]                                        # (R, 1, L)
-    rows = torch.where(live, rows.reshape(num_reqs, num_kv_heads, seq_len_max), first)  # (R, KVH, L)
-    keep = (pos < seq_lens.clamp(min=1)[:, None])[:, None, None, :]                     # (R, 1, 1, L)
-    bias = torch.where(keep.expand(num_reqs, num_kv_heads, 1, seq_len_max),
-                       torch.zeros((), dtype=dtype, device=device), float("-inf"))       # (R, KVH, 1, L)
-    return rows, bias.view(num_reqs * num_kv_heads, 1, seq_len_max)
+    slots = _key_slots(seq_lens, block_table, block_size)                        # (R, L)
+    if gather == "slots":
+        index = torch.stack((slots.t(), slots.t() + num_slots))                 # (2, L, R)
+    elif gather == "rows":
+        heads = torch.arange(num_kv_heads, device=slots.device)
+        index = torch.add(heads[None, :, None], slots[:, None, :], alpha=num_kv_heads)  # (R, KVH, L)
+    else:
+        raise ValueError(f'decode_index: gather must be "slots" or "rows", got {gather!r}')
+    pos = torch.arange(seq_len_max, device=slots.device, dtype=seq_lens.dtype)
+    keep = (pos < seq_lens.clamp(min=1)[:, None])[:, None, :]                     # (R, 1, L)
+    bias = torch.where(keep.expand(num_reqs, num_kv_heads, seq_len_max),
+                       torch.zeros((), dtype=dtype, device=slots.device), float("-inf"))  # (R, KVH, L)
+    return index, bias.view(num_reqs * num_kv_heads, seq_len_max)
 
 
 @decode_index.register_fake
-def _(seq_lens, block_table, block_size, num_kv_heads, dtype):
+def _(seq_lens, block_table, block_size, num_kv_heads, num_slots, dtype, gather):
     num_reqs, max_blocks = block_table.shape
     seq_len_max = max_blocks * block_size
-    rows = block_table.new_empty((num_reqs, num_kv_heads, seq_len_max), dtype=torch.int64)
-    return rows, block_table.new_empty((num_reqs * num_kv_heads, 1, seq_len_max), dtype=dtype)
+    shape = (2, seq_len_max, num_reqs) if gather == "slots" else (num_reqs, num_kv_heads, seq_len_max)
+    return (block_table.new_empty(shape, dtype=torch.int64),
+            block_table.new_empty((num_reqs * num_kv_heads, seq_len_max), dtype=dtype))
+
+
+def _gather(kv_cache: torch.Tensor, index: torch.Tensor, gather: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of every key, each (R * KVH, L, D), from :func:`decode_index`'s ``index``: one
+    gather. "slots": strided views of the gathered (2, L, R * KVH, D); "rows": contiguous."""
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    if gather == "slots":
+        _, seq_len_max, num_reqs = index.shape
+        kv = kv_cache.view(-1, num_kv_heads * head_dim)[index]                   # (2, L, R, KVH*D)
+        kv = kv.view(2, seq_len_max, num_reqs * num_kv_heads, head_dim).transpose(1, 2)  # (2, R*KVH, L, D)
+        return kv[0], kv[1]
+    if gather != "rows":
+        raise ValueError(f'decode_attention_op: gather must be "slots" or "rows", got {gather!r}')
+    num_reqs, _, seq_len_max = index.shape
+    kv = kv_cache.view(2, -1, head_dim)[:, index]                                # (2, R, KVH, L, D)
+    kv = kv.view(2, num_reqs * num_kv_heads, seq_len_max, head_dim)
+    return kv[0], kv[1]
 
 
 def _attend_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
@@ -210,8 +263,17 @@ def _attend_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torc
     """Explicit math, four kernels: bias copy + QK^T (baddbmm), softmax, PV. Its grid covers
     every (request, KV head, key), where the memory-efficient SDPA kernel loops over L serially
     in only R * KVH programs. Scores are in the cache dtype (softmax accumulates in float32)."""
-    scores = torch.baddbmm(bias, q, k.transpose(1, 2), alpha=scale)           # (R*KVH, G, L)
-    return torch.bmm(scores.softmax(-1), v)                                    # (R*KVH, G, D)
+    scores = torch.baddbmm(bias[:, None, :], q, k.transpose(1, 2), alpha=scale)  # (R*KVH, G, L)
+    return torch.bmm(scores.softmax(-1), v)                                      # (R*KVH, G, D)
+
+
+def _attend_matmul_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """:func:`_attend_matmul` with the scores transposed, (R*KVH, L, G): the same four kernels,
+    but the softmax reduces over dim 1 with G inner columns, which CUDA runs as one block of
+    threads per (request, KV head) rather than one warp per (request, query head)."""
+    scores = torch.baddbmm(bias[:, :, None], k, q.transpose(1, 2), alpha=scale)  # (R*KVH, L, G)
+    return torch.bmm(scores.softmax(1).transpose(1, 2), v)                       # (R*KVH, G, D)
 
 
 def _attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
@@ -219,36 +281,30 @@ def _attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.
     """One ``F.scaled_dot_product_attention`` call, with R * KVH as the head axis of a batch of
     one (the fused CUDA kernels take only 4-D inputs). With a float mask CUDA picks the
     memory-efficient kernel: R * KVH programs, each looping over L."""
-    out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=bias[None], scale=scale)
-    return out[0]                                                              # (R*KVH, G, D)
+    out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=bias[None, :, None], scale=scale)
+    return out[0]                                                                # (R*KVH, G, D)
 
 
-# How the decode fast path computes attention. "matmul" launches more kernels but spreads the
-# keys over the whole GPU; "sdpa" is one kernel. Which is faster depends on R, L and the GPU:
-# benchmark both (tests cover both).
-DECODE_ATTENTION = "matmul"
-_DECODE_ATTENTION = {"matmul": _attend_matmul, "sdpa": _attend_sdpa}
+_DECODE_ATTENTION = {"matmul": _attend_matmul, "matmul_keys": _attend_matmul_keys, "sdpa": _attend_sdpa}
 
 
 @torch.library.custom_op("fullgraph::paged_decode_reference", mutates_args=())
-def decode_attention_op(q: torch.Tensor, kv_cache: torch.Tensor, rows: torch.Tensor, bias: torch.Tensor,
-                        scale: float) -> torch.Tensor:
-    """Decode attention (one new token per request) over the rows of :func:`decode_index`.
+def decode_attention_op(q: torch.Tensor, kv_cache: torch.Tensor, index: torch.Tensor, bias: torch.Tensor,
+                        scale: float, gather: str, attention: str) -> torch.Tensor:
+    """Decode attention (one new token per request) over the keys of :func:`decode_index`.
 
-    q: (R, H, D); kv_cache: (2, NB, bs, KVH, D). Returns (R, H, D). One gather of K and V, then
-    ``DECODE_ATTENTION``'s computation with the query heads of each KV group as the query axis
-    (GQA without copying K/V). Padded rows are finite garbage (see :func:`decode_index`).
+    q: (R, H, D); kv_cache: (2, NB, bs, KVH, D); ``index`` built for the same ``gather``. Returns
+    (R, H, D). One gather of K and V, then ``attention``'s computation (see ``DECODE_ATTENTION``)
+    with the query heads of each KV group as the query axis (GQA without copying K/V). Padded
+    rows are finite garbage (see :func:`decode_index`).
     """
     num_reqs, num_heads, head_dim = q.shape
-    num_kv_heads, seq_len_max = rows.shape[1:]
-    kv = kv_cache.view(2, -1, head_dim)[:, rows]                                # (2, R, KVH, L, D)
-    k = kv[0].reshape(num_reqs * num_kv_heads, seq_len_max, head_dim)             # views: kv is contiguous
-    v = kv[1].reshape(num_reqs * num_kv_heads, seq_len_max, head_dim)
-    qg = q.reshape(num_reqs * num_kv_heads, num_heads // num_kv_heads, head_dim).to(k.dtype)
-    out = _DECODE_ATTENTION[DECODE_ATTENTION](qg, k, v, bias, scale)           # (R*KVH, G, D)
+    k, v = _gather(kv_cache, index, gather)                                      # (R*KVH, L, D) each
+    qg = q.reshape(k.shape[0], -1, head_dim).to(k.dtype)                         # (R*KVH, G, D)
+    out = _DECODE_ATTENTION[attention](qg, k, v, bias, scale)                    # (R*KVH, G, D)
     return out.reshape(num_reqs, num_heads, head_dim).to(q.dtype)
 
 
 @decode_attention_op.register_fake
-def _(q, kv_cache, rows, bias, scale):
+def _(q, kv_cache, index, bias, scale, gather, attention):
     return torch.empty_like(q)
