@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session in few calls: `bash benchmarks/gpu_suite.sh PART...` with PART in
-#   env tests tests-all kernels linear diag profile-phi3 core core-fast phi3 phi3-fast capture compile final
+#   env tests tests-all kernels linear sdpa-ab diag profile-phi3 core core-fast phi3 phi3-fast capture compile final
 # Logs and JSON land in $OUT (or ./out); each part has its own time limit so a call stays bounded.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -40,6 +40,19 @@ diag)
     ;;
 linear)
     run bench_linear 90 python3 benchmarks/bench_linear.py --out "$OUT/bench_linear.json"
+    run sweep_linear 200 python3 benchmarks/sweep_linear.py --rows 1 16 --warps 4 8 --out "$OUT/sweep_linear.json"
+    ;;
+sdpa-ab)  # the reference backend's decode variants (fullgraph.attention.torch_ops), llama-1b batch 1
+    for gather in rows slots; do
+        for attn in matmul matmul_keys; do
+            run "sdpa_${gather}_${attn}" 60 python3 -c "
+from fullgraph.attention import torch_ops
+torch_ops.DECODE_GATHER, torch_ops.DECODE_ATTENTION = '$gather', '$attn'
+from fullgraph.bench import main
+main(['decode', '--preset', 'llama-1b', '--batch', '1', '--context', '1024', '--attention', 'sdpa',
+      '--modes', 'full', '--steps', '30', '--out', '$OUT/sdpa_${gather}_${attn}.json'])"
+        done
+    done
     ;;
 profile-phi3)
     for preset in phi3-small-8k phi3-small-8k-dense; do
