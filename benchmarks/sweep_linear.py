@@ -16,36 +16,14 @@ import json
 import torch
 import torch.nn.functional as F
 
+import bench_linear  # this directory is on sys.path when run as a script
+from bench_linear import HBM_BYTES, SHAPES
 from fullgraph.kernels.linear import launch
 
-SHAPES = {  # name: (N, K, bias)
-    "llama1b.qkv": (3072, 2048, False), "llama1b.o": (2048, 2048, False),
-    "llama1b.gate_up": (16384, 2048, False), "llama1b.down": (2048, 8192, False),
-    "phi3.qkv": (6144, 4096, True), "phi3.dense": (4096, 4096, True),
-    "phi3.up": (28672, 4096, True), "phi3.down": (4096, 14336, True),
-}
-HBM_BYTES = 256 * 2**20
 
-
-def time_calls(fn, weights, reps: int = 3) -> float:
-    for wb in weights:
-        fn(*wb)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            for wb in weights:
-                fn(*wb)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(5):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (reps * len(weights)))
-    return sorted(times)[len(times) // 2]
+def time_calls(fn, weights) -> float:
+    """Microseconds per ``fn(w, b)``, over ``weights`` as (w, b) pairs (``bench_linear``'s timing)."""
+    return 1e3 * bench_linear.time_calls(lambda wb: fn(*wb), weights, reps=3)
 
 
 def main() -> None:
