@@ -56,7 +56,8 @@ def main() -> None:
             mb = n * k * 2 / 1e6
             cub = dict(results)["cublas"]
             line = "  ".join(f"{c} {t:.1f}" for c, t in results[:4])
-            print(f"{name:16s} m={m:2d} {mb:6.1f}MB cublas {cub:6.1f}us ({mb / cub:.2f} TB/s) | best: {line}", flush=True)
+            print(f"{name:16s} m={m:2d} {mb:6.1f}MB cublas {cub:6.1f}us ({mb / cub:.2f} TB/s) | best: {line}",
+                  flush=True)
             rows.append({"shape": name, "rows": m, "mbytes": mb, "us": dict(results)})
         del weights
     with open(args.out, "w") as f:

@@ -15,6 +15,6 @@ from .rope import rope
 from .rope_kv_write import rope_kv_write
 from .split_kv_reduce import split_kv_reduce
 
-__all__ = ["KernelConfig", "add_layer_norm", "add_rms_norm", "default_config", "gegelu", "kv_write", "linear", "linear_no_limit",
-           "layer_norm", "num_kv_splits", "paged_attention", "rms_norm", "rope", "rope_kv_write",
-           "silu_and_mul", "split_kv_reduce", "split_workspace_rows", "write_kv"]
+__all__ = ["KernelConfig", "add_layer_norm", "add_rms_norm", "default_config", "gegelu", "kv_write",
+           "layer_norm", "linear", "linear_no_limit", "num_kv_splits", "paged_attention", "rms_norm", "rope",
+           "rope_kv_write", "silu_and_mul", "split_kv_reduce", "split_workspace_rows", "write_kv"]

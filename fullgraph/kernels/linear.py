@@ -114,7 +114,8 @@ def launch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, activation:
     block_m = 1 if m == 1 else max(16, triton.next_power_of_2(m))
     _linear_kernel[(triton.cdiv(n, block_n),)](
         x, w, b if b is not None else w, out, m, n, k, limit, x.stride(0), out.stride(0),
-        HAS_BIAS=b is not None, ACT=ACTIVATIONS[activation], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+        HAS_BIAS=b is not None, ACT=ACTIVATIONS[activation], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=num_warps)
     return out
 
 

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from ..attention import Attention, AttentionMetadata, BlockSparseConfig
-from .layers import LayerNorm, Linear, PreNormDecoderLayer, RotaryEmbedding, init_random_, kernels, rope_inv_freq, use_kernels
+from .layers import (LayerNorm, Linear, PreNormDecoderLayer, RotaryEmbedding, init_random_, kernels, rope_inv_freq,
+                     use_kernels)
 from .loading import load_config, load_safetensors_dir
 
 # <|dummy_id_k|>, the FIM ids 100258-100260 and <|endofprompt|> 100276: masked in the logits.
