@@ -61,7 +61,8 @@ def main() -> None:
             rows.append({"shape": name, "rows": m, "mbytes": mb, "us": dict(results)})
         del weights
     with open(args.out, "w") as f:
-        json.dump(rows, f, indent=1)
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
