@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session in few calls: `bash benchmarks/gpu_suite.sh PART...` with PART in
-#   env tests tests-all kernels linear sdpa-ab diag profile-phi3 core core-fast phi3 phi3-fast capture compile final
+#   env tests tests-all kernels linear pdl-ab sdpa-ab diag profile-phi3 core core-fast phi3 phi3-fast capture compile final
 # Logs and JSON land in $OUT (or ./out); each part has its own time limit so a call stays bounded.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -41,6 +41,16 @@ diag)
 linear)
     run bench_linear 90 python3 benchmarks/bench_linear.py --out "$OUT/bench_linear.json"
     run sweep_linear 200 python3 benchmarks/sweep_linear.py --rows 1 16 --warps 4 8 --out "$OUT/sweep_linear.json"
+    ;;
+pdl-ab)  # programmatic dependent launch off / on (fullgraph.kernels.pdl), batch-1 decode steps
+    for pdl in 0 1; do
+        FULLGRAPH_PDL=$pdl run "llama1b_triton_pdl$pdl" 60 python3 -m fullgraph.bench decode --preset llama-1b --batch 1 \
+            --context 1024 --attention triton --modes full --steps 30 --out "$OUT/llama1b_triton_pdl$pdl.json"
+        FULLGRAPH_PDL=$pdl run "phi3_pdl$pdl" 90 python3 -m fullgraph.bench decode --preset phi3-small-8k --batch 1 \
+            --context 2048 --modes full --steps 30 --out "$OUT/phi3_pdl$pdl.json"
+    done
+    run llama1b_sdpa 60 python3 -m fullgraph.bench decode --preset llama-1b --batch 1 --context 1024 --attention sdpa \
+        --modes full --steps 30 --out "$OUT/llama1b_sdpa.json"
     ;;
 sdpa-ab)  # the reference backend's decode variants (fullgraph.attention.torch_ops), llama-1b batch 1
     for gather in rows slots; do

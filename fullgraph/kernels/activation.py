@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 BLOCK = 1024
 
 
@@ -24,8 +26,10 @@ def _gated_kernel(
     u_ptr, out_ptr,              # pointers
     inter, limit,                # sizes / constants
     stride_u,                    # row stride
-    GEGELU: tl.constexpr, BLOCK: tl.constexpr,
+    GEGELU: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl.wait(USE_PDL)
+    pdl.start_dependents(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -50,7 +54,7 @@ def _launch(u: torch.Tensor, gegelu: bool, limit: float) -> torch.Tensor:
     out = torch.empty((num_rows, width // 2), dtype=u.dtype, device=u.device)
     if num_rows:
         _gated_kernel[(num_rows, triton.cdiv(width // 2, BLOCK))](
-            u, out, width // 2, limit, u.stride(0), GEGELU=gegelu, BLOCK=BLOCK, num_warps=4)
+            u, out, width // 2, limit, u.stride(0), GEGELU=gegelu, BLOCK=BLOCK, num_warps=4, **pdl.options(u))
     return out
 
 

@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from .blocksparse_prefill import check_paged_inputs, dot_precision
 from .blocksparse_reduce import blocksparse_reduce
 
@@ -53,7 +54,10 @@ def _blocksparse_decode_kernel(
     # meta-parameters
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_BITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl.wait(USE_PDL)
+    pdl.start_dependents(USE_PDL)
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
     req = tl.program_id(2)
@@ -169,7 +173,7 @@ def _launch_decode(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tens
         HEAD_DIM=head_dim, GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(group)),
         SPARSE_BLOCK=sparse_block_size, PAGE_SIZE=page_size, BLOCK_N=min(sparse_block_size, 64),
         GROUP_BITS=GROUP_BITS, DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=4, num_stages=2 if q.is_cuda else 1)
+        num_warps=4, num_stages=2 if q.is_cuda else 1, **pdl.options(q))
     if num_splits > 1:
         rows = num_reqs * num_heads * num_splits
         blocksparse_reduce(partial_out[:rows].view(num_reqs, num_heads, num_splits, head_dim),

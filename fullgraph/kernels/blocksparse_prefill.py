@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 
 @triton.jit
 def _find_request(query_start_loc_ptr, num_reqs, tile, BLOCK_M: tl.constexpr):
@@ -95,8 +97,10 @@ def _blocksparse_prefill_kernel(
     # meta-parameters
     HEAD_DIM: tl.constexpr, QUERY_GROUP: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl.wait(USE_PDL)
+    pdl.start_dependents(USE_PDL)
     head = tl.program_id(0)
     tile = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -134,7 +138,7 @@ def _blocksparse_prefill_kernel(
     acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
     # Kept blocks before the diagonal: every key precedes every row and lies inside the sequence.
     # One flat loop over (kept block, key tile) pairs pipelines better than a nested one.
-    for i in range(0, (count - 1) * (SPARSE_BLOCK // BLOCK_N)):
+    for i in range((count - 1) * (SPARSE_BLOCK // BLOCK_N)):
         kb = tl.load(idx_row + i // (SPARSE_BLOCK // BLOCK_N))
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, pos, k_cache_ptr, v_cache_ptr, bt_row, kv_off,
                                      kb * SPARSE_BLOCK + (i % (SPARSE_BLOCK // BLOCK_N)) * BLOCK_N, seq_len, qk_scale,
@@ -212,7 +216,7 @@ def _launch_prefill(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         block_table.stride(0), counts.stride(0), indices.stride(0), indices.stride(1),
         HEAD_DIM=head_dim, QUERY_GROUP=num_heads // num_kv_heads, SPARSE_BLOCK=sparse_block_size,
         PAGE_SIZE=page_size, BLOCK_M=block, BLOCK_N=block, DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=4, num_stages=3 if q.is_cuda else 1)
+        num_warps=4, num_stages=3 if q.is_cuda else 1, **pdl.options(q))
     return out
 
 

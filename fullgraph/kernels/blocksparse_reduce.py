@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 MIN_SPLITS_PAD = 16  # the split axis has at least this many lanes: one compiled variant up to 16 splits
 
 
@@ -28,8 +30,10 @@ def _blocksparse_reduce_kernel(
     # strides
     stride_o_tok, stride_o_head,
     # meta-parameters
-    HEAD_DIM: tl.constexpr, SPLITS_POW2: tl.constexpr,
+    HEAD_DIM: tl.constexpr, SPLITS_POW2: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl.wait(USE_PDL)
+    pdl.start_dependents(USE_PDL)
     head = tl.program_id(0)
     req = tl.program_id(1)
     row = req.to(tl.int64) * tl.num_programs(0) + head
@@ -62,4 +66,4 @@ def blocksparse_reduce(partial_out: torch.Tensor, partial_ml: torch.Tensor, out:
         partial_out, partial_ml, out, num_splits,
         out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, SPLITS_POW2=max(MIN_SPLITS_PAD, triton.next_power_of_2(num_splits)),
-        num_warps=4 if head_dim >= 128 else 2)
+        num_warps=4 if head_dim >= 128 else 2, **pdl.options(out))

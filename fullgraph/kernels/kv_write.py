@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 
 @triton.jit
 def _kv_write_kernel(
@@ -30,7 +32,9 @@ def _kv_write_kernel(
         stride_kv, stride_cb, stride_cs, stride_ch,
         # meta
         PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-        HEADS_PAD: tl.constexpr):
+        HEADS_PAD: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl.wait(USE_PDL)
+    pdl.start_dependents(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
     if slot < 0:
@@ -62,7 +66,7 @@ def _kv_write_op(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         PAGE_SIZE=page_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, HEADS_PAD=heads_pad,
-        num_warps=4 if heads_pad * head_dim_pad >= 1024 else 1)
+        num_warps=4 if heads_pad * head_dim_pad >= 1024 else 1, **pdl.options(key))
 
 
 @_kv_write_op.register_fake

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 
 @triton.jit
 def _linear_kernel(
@@ -28,7 +30,7 @@ def _linear_kernel(
     M, N, K, limit,
     stride_xm, stride_om,
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     j = tl.arange(0, BLOCK_N)
@@ -41,24 +43,35 @@ def _linear_kernel(
         n_ok = rn < N
     rk = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
+    # The first weight tile and the bias are parameters: load them before waiting for x.
+    k_ok = rk < K
+    w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+    pdl.wait(USE_PDL)
+    pdl.start_dependents(USE_PDL)
     if BLOCK_M == 1:
-        acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        x = tl.load(x_ptr + rk, mask=k_ok, other=0.0)
+        acc1 = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
             k_ok = k0 + rk < K
             w = tl.load(w_rows + (k0 + rk)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             x = tl.load(x_ptr + k0 + rk, mask=k_ok, other=0.0)
             acc1 += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
         acc = acc1[None, :]
     else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        rows = tl.arange(0, BLOCK_M)
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + rk[None, :], mask=(rows < M)[:, None] & k_ok[None, :],
+                    other=0.0)
+        acc = tl.dot(x, tl.trans(w), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
+        for k0 in range(BLOCK_K, K, BLOCK_K):
             k_ok = k0 + rk < K
             w = tl.load(w_rows + (k0 + rk)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            x = tl.load(x_ptr + tl.arange(0, BLOCK_M)[:, None] * stride_xm + (k0 + rk)[None, :],
-                        mask=(tl.arange(0, BLOCK_M) < M)[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + (k0 + rk)[None, :],
+                        mask=(rows < M)[:, None] & k_ok[None, :], other=0.0)
             acc = tl.dot(x, tl.trans(w), acc)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        acc += bias[None, :]
     rm = tl.arange(0, BLOCK_M)
     if ACT == 0:
         tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -115,7 +128,7 @@ def launch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, activation:
     _linear_kernel[(triton.cdiv(n, block_n),)](
         x, w, b if b is not None else w, out, m, n, k, limit, x.stride(0), out.stride(0),
         HAS_BIAS=b is not None, ACT=ACTIVATIONS[activation], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps)
+        num_warps=num_warps, **pdl.options(x))
     return out
 
 

@@ -18,27 +18,32 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 
 @triton.jit
 def _norm_kernel(
     x_ptr, res_ptr, w_ptr, b_ptr, y_ptr, h_ptr,     # pointers
     n_cols, eps,                                    # sizes
     stride_x, stride_res,                           # row strides
-    HAS_RESIDUAL: tl.constexpr, LAYER_NORM: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, LAYER_NORM: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)           # parameters: before the wait
+    if LAYER_NORM:
+        b = tl.load(b_ptr + cols, mask=mask, other=0.0)
+    pdl.wait(USE_PDL)
+    pdl.start_dependents(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         x = x + tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
         tl.store(h_ptr + row * n_cols + cols, x, mask=mask)
     xf = x.to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     if LAYER_NORM:
         centred = tl.where(mask, xf - tl.sum(xf, axis=0) / n_cols, 0.0)
         inv = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=0) / n_cols + eps)
-        b = tl.load(b_ptr + cols, mask=mask, other=0.0)
         y = (centred * inv * w.to(tl.float32) + b.to(tl.float32)).to(x.dtype)
     else:
         inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
@@ -59,7 +64,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ep
             x, residual if residual is not None else x, weight, bias if bias is not None else weight, y, h,
             n_cols, eps, x.stride(0), residual.stride(0) if residual is not None else 0,
             HAS_RESIDUAL=residual is not None, LAYER_NORM=bias is not None,
-            BLOCK=triton.next_power_of_2(n_cols), num_warps=4 if n_cols <= 2048 else 8)
+            BLOCK=triton.next_power_of_2(n_cols), num_warps=4 if n_cols <= 2048 else 8, **pdl.options(x))
     return y, h
 
 

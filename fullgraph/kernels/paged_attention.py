@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from .split_kv_reduce import split_kv_reduce
 
 # Read once, at import: the interpreter runs every program in Python, so it gets small tiles.
@@ -124,7 +125,9 @@ def _paged_attention_kernel(
         # meta
         GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, DECODE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        NUM_SPLITS: tl.constexpr, DECODE: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl.wait(USE_PDL)
+    pdl.start_dependents(USE_PDL)
     pid = tl.program_id(0)
     kv_head = pid % num_kv_heads
     tile = num_tiles - 1 - pid // num_kv_heads   # last (longest) query tiles launch first
@@ -276,7 +279,7 @@ def _paged_attention_op(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=page_size, NUM_SPLITS=num_splits, DECODE=decode_only,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages, **pdl.options(q))
     if num_splits > 1:
         split_kv_reduce(out=out, part_out=part_out, part_lse=part_lse, num_splits=num_splits)
     return out

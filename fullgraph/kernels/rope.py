@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 
 @triton.jit
 def _rotate(x_ptr, out_ptr, row, num_heads, group, stride_t, stride_g, stride_h, c, s,
@@ -42,7 +44,10 @@ def _rope_kernel(
     num_q_heads, num_k_heads, q_group,                                 # sizes
     stride_qt, stride_qg, stride_qh, stride_kt, stride_kh,             # strides
     HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl.wait(USE_PDL)
+    pdl.start_dependents(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + row).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)[None, :]
@@ -74,7 +79,7 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.T
             q, k, positions, cos, sin, q_out, k_out, num_q_heads, k.shape[1], q_group,
             q.stride(0), q.stride(1) if grouped else 0, q.stride(-2), k.stride(0), k.stride(1),
             HALF=half, BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HK=triton.next_power_of_2(k.shape[1]),
-            BLOCK_D=triton.next_power_of_2(half), num_warps=4)
+            BLOCK_D=triton.next_power_of_2(half), num_warps=4, **pdl.options(q))
     return q_out, k_out
 
 

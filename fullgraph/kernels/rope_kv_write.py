@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from .rope import _rotate
 
 
@@ -40,8 +41,10 @@ def _rope_kv_write_kernel(
         stride_kv, stride_cb, stride_cs, stride_ch,
         # meta
         PAGE_SIZE: tl.constexpr, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-        BLOCK_D: tl.constexpr):
+        BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
+    pdl.wait(USE_PDL)
+    pdl.start_dependents(USE_PDL)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     slot = tl.load(slot_ptr + tok, mask=tok < num_slots, other=-1).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)[None, :]
@@ -85,7 +88,8 @@ def _rope_kv_write_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         PAGE_SIZE=page_size, HALF=half, BLOCK_HQ=triton.next_power_of_2(num_q_heads),
-        BLOCK_HK=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(half), num_warps=4)
+        BLOCK_HK=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(half), num_warps=4,
+        **pdl.options(query))
     return q_out
 
 

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 
 @triton.jit
 def _split_kv_reduce_kernel(
@@ -27,7 +29,9 @@ def _split_kv_reduce_kernel(
         stride_ot, stride_oh,
         # meta
         NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-        HEAD_DIM_PAD: tl.constexpr):
+        HEAD_DIM_PAD: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl.wait(USE_PDL)
+    pdl.start_dependents(USE_PDL)
     req = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
@@ -63,4 +67,4 @@ def split_kv_reduce(*, out: torch.Tensor, part_out: torch.Tensor, part_lse: torc
         num_heads,
         out.stride(0), out.stride(1),
         NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=head_dim_pad, num_warps=1 if head_dim_pad <= 64 else 2)
+        HEAD_DIM_PAD=head_dim_pad, num_warps=1 if head_dim_pad <= 64 else 2, **pdl.options(out))
