@@ -175,10 +175,10 @@ def _(q, kv_cache, query_start_loc, seq_lens, block_table, scale, decode_only, s
 #   "matmul_keys": the same with the scores laid out (R*KVH, L, G), so the softmax reduces over a
 #   middle dim: CUDA's spatial kernel, a block of threads per (request, KV head), instead of a
 #   warp per (request, query head). "sdpa": one ``F.scaled_dot_product_attention`` call.
-# The defaults are the pair measured on an H200 (llama-1b batch 1: step 1.425 ms, BENCHMARKS.md);
-# "slots" and "matmul_keys" are expected faster there (the "rows" gather took 8.6 us per layer,
-# the warp softmax 7.5 us) but are not measured yet: time them before switching.
-DECODE_GATHER = "rows"
+# The defaults are the fastest pair measured on an H200 (llama-1b batch 1, BENCHMARKS.md): step
+# 1.312 ms with "slots" + "matmul", against 1.408 ("rows" + "matmul"), 1.638 ("slots" +
+# "matmul_keys") and 1.711 ("rows" + "matmul_keys").
+DECODE_GATHER = "slots"
 DECODE_ATTENTION = "matmul"
 
 
