@@ -20,10 +20,14 @@ class CaptureReport:
     seconds: float
     graph_bytes: int          # device memory the graphs' pool took
     keys: tuple[GraphKey, ...]
+    warmup_seconds: float = 0.0   # eager runs before each capture (Triton JIT happens here)
+    record_seconds: float = 0.0   # running the step under stream capture
+    end_seconds: float = 0.0      # ending the capture: instantiating each graph
 
     def __str__(self) -> str:
-        return (f"captured {self.num_graphs} graphs in {self.seconds:.2f} s, "
-                f"{self.graph_bytes / 2**20:.1f} MiB of graph memory")
+        return (f"captured {self.num_graphs} graphs in {self.seconds:.2f} s (warm-up runs "
+                f"{self.warmup_seconds:.2f} s, recording {self.record_seconds:.2f} s, instantiation "
+                f"{self.end_seconds:.2f} s), {self.graph_bytes / 2**20:.1f} MiB of graph memory")
 
 
 class AddressMovedError(RuntimeError):
@@ -35,14 +39,15 @@ class GraphSet:
 
     ``capture`` runs ``prepare(key)`` (fills the static buffers with a capture plan), then
     ``run(key)`` eagerly ``warmups`` times outside capture (Triton JIT / autotuning happen there),
-    then once inside ``torch.cuda.graph`` with the shared pool. Garbage collection is off during
-    capture so no tensor is freed (or its memory reused) mid-capture.
+    then once under stream capture on a side stream into the shared pool. Garbage collection is
+    off during capture so no tensor is freed (or its memory reused) mid-capture.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self._pool = None
+        self._stream: torch.cuda.Stream | None = None  # the side stream every capture runs on
         self._addresses: dict[str, int] = {}
 
     def __contains__(self, key: GraphKey) -> bool:
@@ -53,28 +58,58 @@ class GraphSet:
                 warmups: int = 1) -> CaptureReport:
         keys = sorted(keys, reverse=True)  # largest first: smaller graphs reuse its pool blocks
         torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # once, so the reserved-memory difference below is the graphs'
         reserved0, start = torch.cuda.memory_reserved(self.device), time.perf_counter()
         self._pool = self._pool or torch.cuda.graph_pool_handle()
         gc.collect()
         gc.disable()
+        phases = [0.0, 0.0, 0.0]  # warm-up, recording, instantiation
         try:
             for i, key in enumerate(keys):
+                t0 = time.perf_counter()
                 prepare(key)
                 for _ in range(warmups + (i == 0)):
                     run(key)
                 torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool):
-                    run(key)
-                self.graphs[key] = graph
+                t1 = time.perf_counter()
+                self.graphs[key], recording = self._record(run, key)
+                phases[0] += t1 - t0
+                phases[1] += recording
+                phases[2] += time.perf_counter() - t1 - recording
                 if (i + 1) % 16 == 0 or i + 1 == len(keys):
                     logger.info("capture: %d/%d graphs (%.1f s)", i + 1, len(keys), time.perf_counter() - start)
         finally:
             gc.enable()
         torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # the warm-up runs' cached blocks; the graphs' pool stays
         self._addresses = addresses()
         return CaptureReport(len(keys), time.perf_counter() - start,
-                             torch.cuda.memory_reserved(self.device) - reserved0, tuple(keys))
+                             torch.cuda.memory_reserved(self.device) - reserved0, tuple(keys), *phases)
+
+    def _record(self, run: Callable[[GraphKey], None], key: GraphKey) -> tuple[torch.cuda.CUDAGraph, float]:
+        """Capture one run of ``key`` on the side stream into the shared pool; returns the graph
+        and the seconds spent recording (the rest of the call is instantiation).
+
+        ``torch.cuda.graph()`` would also empty the allocator's cache before every capture, so
+        each next warm-up run pays ``cudaMalloc`` again: half of a warm capture's time for
+        Phi-3-Small (BENCHMARKS.md). Here the cache is emptied once, after the last graph.
+        """
+        graph = torch.cuda.CUDAGraph()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        current = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(current)
+        with torch.cuda.stream(self._stream):
+            start = time.perf_counter()
+            graph.capture_begin(pool=self._pool)
+            try:
+                run(key)
+                recording = time.perf_counter() - start
+            finally:
+                graph.capture_end()  # instantiates the graph
+        current.wait_stream(self._stream)
+        torch.cuda.synchronize(self.device)
+        return graph, recording
 
     def replay(self, key: GraphKey) -> None:
         self.graphs[key].replay()

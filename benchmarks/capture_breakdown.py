@@ -1,0 +1,72 @@
+"""Where the time of ``runner.capture()`` goes: Triton JIT compilation per kernel against the rest
+(eager warm-up runs and graph capture).
+
+    python benchmarks/capture_breakdown.py --preset phi3-small-8k [--out capture_breakdown.json]
+
+GPU script: prints a table, writes JSON, never asserts on time. Every Triton compilation in the
+process (ours and, with ``--compile``, Inductor's) is timed by wrapping Triton's JIT compile
+entry point; run it in a fresh process so the in-memory kernel caches are cold (the on-disk
+cache in ``~/.triton/cache`` is not cleared: delete it first for a cold start).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+
+import torch
+import triton.runtime.jit as triton_jit
+
+from fullgraph import FullGraphRunner, RunnerConfig
+from fullgraph.bench import _presets, _table
+
+
+def _timed_compiles() -> dict[str, list[float]]:
+    """Record the seconds of every Triton compile, by kernel name."""
+    seconds: dict[str, list[float]] = defaultdict(list)
+    original = triton_jit.JITFunction._do_compile
+
+    def timed(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            seconds[getattr(self, "__name__", repr(self))].append(time.perf_counter() - start)
+
+    triton_jit.JITFunction._do_compile = timed
+    return seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--preset", default="phi3-small-8k", choices=sorted(_presets()))
+    parser.add_argument("--attention", default="auto")
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--out", default="capture_breakdown.json")
+    args = parser.parse_args()
+
+    seconds = _timed_compiles()
+    model = _presets()[args.preset](dtype=torch.bfloat16, device="cuda", seed=0)
+    runner = FullGraphRunner(model, RunnerConfig(cudagraph="full", attention=args.attention, compile=args.compile))
+    start = time.perf_counter()
+    report = runner.capture()
+    total = time.perf_counter() - start
+    rows = sorted(({"kernel": name, "variants": len(s), "compile_s": sum(s)} for name, s in seconds.items()),
+                  key=lambda r: -r["compile_s"])
+    _table(rows, ["kernel", "variants", "compile_s"])
+    jit = sum(r["compile_s"] for r in rows)
+    print(f"{args.preset}: {report.num_graphs} graphs in {total:.2f} s: Triton JIT {jit:.2f} s "
+          f"({sum(r['variants'] for r in rows)} variants), the rest {total - jit:.2f} s")
+    print(report)
+    with open(args.out, "w") as f:
+        json.dump({"preset": args.preset, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                   "graphs": report.num_graphs, "capture_s": total, "jit_s": jit,
+                   "warmup_s": report.warmup_seconds, "record_s": report.record_seconds,
+                   "instantiate_s": report.end_seconds,
+                   "graph_MiB": report.graph_bytes / 2**20, "rows": rows}, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
