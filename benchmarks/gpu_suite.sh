@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session in few calls: `bash benchmarks/gpu_suite.sh PART...` with PART in
-#   env tests tests-all kernels linear pdl-ab sdpa-ab diag profile-phi3 core core-fast phi3 phi3-fast capture compile final
+#   env tests tests-all targets kernels linear pdl-ab sdpa-ab diag profile-phi3 core core-fast phi3 phi3-fast capture compile final
 # Logs and JSON land in $OUT (or ./out); each part has its own time limit so a call stays bounded.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -27,6 +27,14 @@ tests)
     ;;
 tests-all)
     run gpu_tests 420 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=15 tests
+    ;;
+targets)  # the decode-step rows the issues set targets for (full graphs, no compile)
+    run decode_llama1b_triton 90 python3 -m fullgraph.bench decode --preset llama-1b --batch 1 32 --context 1024 \
+        --attention triton --modes full --steps 30 --out "$OUT/decode_llama1b_triton.json"
+    run decode_phi3 120 python3 -m fullgraph.bench decode --preset phi3-small-8k --batch 1 16 --context 2048 \
+        --modes full --steps 30 --out "$OUT/decode_phi3.json"
+    run decode_phi3_dense 90 python3 -m fullgraph.bench decode --preset phi3-small-8k-dense --batch 1 --context 2048 \
+        --modes full --steps 30 --out "$OUT/decode_phi3_dense.json"
     ;;
 kernels)
     run bench_attention 150 python3 benchmarks/bench_attention.py --out "$OUT/bench_attention.json"
@@ -101,9 +109,10 @@ core)
     done
     run plan 60 python3 -m fullgraph.bench plan --out "$OUT/plan.json"
     ;;
-capture)
-    run capture_llama1b 150 python3 -m fullgraph.bench capture --preset llama-1b --out "$OUT/capture_llama1b.json"
+capture)  # Phi-3-Small first on a fresh machine (cold Triton cache), then again (warm on-disk cache)
     run capture_phi3 200 python3 -m fullgraph.bench capture --preset phi3-small-8k --out "$OUT/capture_phi3.json"
+    run capture_phi3_warm 200 python3 -m fullgraph.bench capture --preset phi3-small-8k --out "$OUT/capture_phi3_warm.json"
+    run capture_llama1b 150 python3 -m fullgraph.bench capture --preset llama-1b --out "$OUT/capture_llama1b.json"
     ;;
 phi3)
     run decode_phi3_dense 150 python3 -m fullgraph.bench decode --preset phi3-small-8k-dense --batch 1 --context 2048 \
