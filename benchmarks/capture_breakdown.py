@@ -63,7 +63,7 @@ def main() -> None:
         json.dump({"preset": args.preset, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                    "graphs": report.num_graphs, "capture_s": total, "jit_s": jit,
                    "warmup_s": report.warmup_seconds, "record_s": report.record_seconds,
-                   "instantiate_s": report.end_seconds,
+                   "instantiate_s": report.instantiate_seconds,
                    "graph_MiB": report.graph_bytes / 2**20, "rows": rows}, f, indent=1)
     print(f"wrote {args.out}")
 

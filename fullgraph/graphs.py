@@ -20,14 +20,14 @@ class CaptureReport:
     seconds: float
     graph_bytes: int          # device memory the graphs' pool took
     keys: tuple[GraphKey, ...]
-    warmup_seconds: float = 0.0   # eager runs before each capture (Triton JIT happens here)
-    record_seconds: float = 0.0   # running the step under stream capture
-    end_seconds: float = 0.0      # ending the capture: instantiating each graph
+    warmup_seconds: float = 0.0       # eager runs before each capture (Triton JIT happens here)
+    record_seconds: float = 0.0       # running the step under stream capture
+    instantiate_seconds: float = 0.0  # ending each capture: instantiating its graph
 
     def __str__(self) -> str:
         return (f"captured {self.num_graphs} graphs in {self.seconds:.2f} s (warm-up runs "
                 f"{self.warmup_seconds:.2f} s, recording {self.record_seconds:.2f} s, instantiation "
-                f"{self.end_seconds:.2f} s), {self.graph_bytes / 2**20:.1f} MiB of graph memory")
+                f"{self.instantiate_seconds:.2f} s), {self.graph_bytes / 2**20:.1f} MiB of graph memory")
 
 
 class AddressMovedError(RuntimeError):
