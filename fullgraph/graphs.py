@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .kernels import ahead
+
 logger = logging.getLogger("fullgraph")
 
 GraphKey = tuple[int, bool]  # (padded token count, decode-only)
@@ -20,14 +22,16 @@ class CaptureReport:
     seconds: float
     graph_bytes: int          # device memory the graphs' pool took
     keys: tuple[GraphKey, ...]
-    warmup_seconds: float = 0.0       # eager runs before each capture (Triton JIT happens here)
+    warmup_seconds: float = 0.0       # eager runs before each capture (serial Triton JIT happens here)
     record_seconds: float = 0.0       # running the step under stream capture
     instantiate_seconds: float = 0.0  # ending each capture: instantiating its graph
+    compile_seconds: float = 0.0      # compiling every key's Triton kernels ahead, in parallel (kernels.ahead)
 
     def __str__(self) -> str:
-        return (f"captured {self.num_graphs} graphs in {self.seconds:.2f} s (warm-up runs "
-                f"{self.warmup_seconds:.2f} s, recording {self.record_seconds:.2f} s, instantiation "
-                f"{self.instantiate_seconds:.2f} s), {self.graph_bytes / 2**20:.1f} MiB of graph memory")
+        return (f"captured {self.num_graphs} graphs in {self.seconds:.2f} s (Triton kernels compiled ahead "
+                f"{self.compile_seconds:.2f} s, warm-up runs {self.warmup_seconds:.2f} s, recording "
+                f"{self.record_seconds:.2f} s, instantiation {self.instantiate_seconds:.2f} s), "
+                f"{self.graph_bytes / 2**20:.1f} MiB of graph memory")
 
 
 class AddressMovedError(RuntimeError):
@@ -37,9 +41,10 @@ class AddressMovedError(RuntimeError):
 class GraphSet:
     """The captured graphs of one runner, keyed by ``GraphKey``.
 
-    ``capture`` runs ``prepare(key)`` (fills the static buffers with a capture plan), then
-    ``run(key)`` eagerly ``warmups`` times outside capture (Triton JIT / autotuning happen there),
-    then once under stream capture on a side stream into the shared pool. Garbage collection is
+    ``capture`` first runs ``prepare(key)`` (fills the static buffers with a capture plan) and
+    ``run(key)`` for every key under ``kernels.ahead.compile_ahead``, so the Triton variants of all
+    keys compile in parallel; then, key by key, ``prepare``, ``run`` eagerly ``warmups`` times
+    outside capture, and once under stream capture on a side stream into the shared pool. Garbage collection is
     off during capture so no tensor is freed (or its memory reused) mid-capture.
     """
 
@@ -65,6 +70,7 @@ class GraphSet:
         gc.disable()
         phases = [0.0, 0.0, 0.0]  # warm-up, recording, instantiation
         try:
+            compiled = ahead.compile_runs((lambda k=k: (prepare(k), run(k))) for k in keys)
             for i, key in enumerate(keys):
                 t0 = time.perf_counter()
                 prepare(key)
@@ -84,7 +90,7 @@ class GraphSet:
         torch.cuda.empty_cache()  # the warm-up runs' cached blocks; the graphs' pool stays
         self._addresses = addresses()
         return CaptureReport(len(keys), time.perf_counter() - start,
-                             torch.cuda.memory_reserved(self.device) - reserved0, tuple(keys), *phases)
+                             torch.cuda.memory_reserved(self.device) - reserved0, tuple(keys), *phases, compiled)
 
     def _record(self, run: Callable[[GraphKey], None], key: GraphKey) -> tuple[torch.cuda.CUDAGraph, float]:
         """Capture one run of ``key`` on the side stream into the shared pool; returns the graph

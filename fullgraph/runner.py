@@ -17,6 +17,7 @@ from .buffers import StaticBuffers
 from .compile import CompiledStep
 from .config import RunnerConfig, resolve_mode
 from .graphs import CaptureReport, GraphKey, GraphSet
+from .kernels import ahead
 from .kv_cache import BlockAllocator, KVCacheSpec, allocate_kv_caches
 from .models.base import check_model
 from .plan import SeqChunk, StepPlan, capture_plan, plan_with_cache
@@ -179,9 +180,14 @@ class FullGraphRunner:
             self.capture()
             return
         if cfg.cudagraph == "padded":
-            for key in sorted(self.graph_keys(), reverse=True):
+            def run(key: GraphKey) -> None:
                 self.buffers.copy_in(capture_plan(cfg, self.policy, cfg.num_blocks, *key))
                 self._run_static(key, min(key[0], cfg.max_num_seqs))
+
+            keys = sorted(self.graph_keys(), reverse=True)
+            ahead.compile_runs((lambda k=k: run(k)) for k in keys)  # every key's Triton kernels, in parallel
+            for key in keys:
+                run(key)
         else:  # unpadded: one request / several requests, decode / mixed (sizes 1 specialise)
             for tokens, reqs, decode in ((3, 2, False), (2, 1, False), (2, 2, True), (1, 1, True)):
                 if reqs <= cfg.max_num_seqs and tokens <= cfg.max_num_tokens:

@@ -16,11 +16,12 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl
+from . import ahead, pdl
 
 BLOCK = 1024
 
 
+@ahead.kernel
 @triton.jit
 def _gated_kernel(
     u_ptr, out_ptr,              # pointers

@@ -18,9 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl
+from . import ahead, pdl
 
 
+@ahead.kernel
 @triton.jit
 def _kv_write_kernel(
         # pointers

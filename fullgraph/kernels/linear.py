@@ -21,9 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl
+from . import ahead, pdl
 
 
+@ahead.kernel
 @triton.jit
 def _linear_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr,

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl
+from . import ahead, pdl
 from .split_kv_reduce import split_kv_reduce
 
 # Read once, at import: the interpreter runs every program in Python, so it gets small tiles.
@@ -112,6 +112,7 @@ def _attend(acc, l_i, m_i, q, kv_ptr, table_ptr, start, seq_len, pos, qk_scale,
 # The per-bucket counts are runtime values, never specialised on (Triton would compile a variant
 # per pattern of "== 1" / "divisible by 16" across the captured buckets, ~1 s of capture each);
 # NUM_SPLITS stays a constant: a runtime split count cost 7% of the batch-32 decode step.
+@ahead.kernel
 @triton.jit(do_not_specialize=["num_tokens", "num_reqs", "num_tiles"])
 def _paged_attention_kernel(
         # pointers

@@ -26,10 +26,11 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl
+from . import ahead, pdl
 from .rope import _rotate
 
 
+@ahead.kernel
 @triton.jit
 def _rope_kv_write_kernel(
         # pointers

@@ -16,9 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
-from . import pdl
+from . import ahead, pdl
 
 
+@ahead.kernel
 @triton.jit
 def _split_kv_reduce_kernel(
         # pointers

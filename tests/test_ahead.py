@@ -1,0 +1,66 @@
+"""Compiling Triton kernels ahead (fullgraph.kernels.ahead): launch dispatch, the on/off rules,
+and, on a GPU, that a run under it compiles without running while the real launch then runs."""
+import pytest
+import torch
+
+from fullgraph.kernels import ahead, kv_write
+
+
+class _FakeJit:
+    """Stands in for a triton.jit function: records how it was called."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append(("launch", grid, args, kwargs))
+
+    def warmup(self, *args, grid, **kwargs):
+        self.calls.append(("warmup", grid, args, kwargs))
+
+
+def test_kernel_launches_normally_and_only_compiles_when_active(monkeypatch):
+    fake = _FakeJit()
+    k = ahead.kernel(fake)
+    k[(3, 2)](1, 2, BLOCK=4)
+    monkeypatch.setattr(ahead, "_active", True)
+    k[(5,)](7, BLOCK=8)
+    assert fake.calls == [("launch", (3, 2), (1, 2), {"BLOCK": 4}), ("warmup", (5,), (7,), {"BLOCK": 8})]
+
+
+def test_off_without_cuda_or_when_disabled(monkeypatch):
+    monkeypatch.setenv(ahead.ENV_WORKERS, "0")
+    assert ahead.workers() == 0
+    calls = []
+    assert ahead.compile_runs([lambda: calls.append(1)]) == 0.0
+    assert calls == []  # runs that only collect variants are skipped when nothing compiles ahead
+    with ahead.compile_ahead() as active:
+        assert not active and not ahead._active
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU rule")
+def test_off_on_cpu(monkeypatch):
+    monkeypatch.delenv(ahead.ENV_WORKERS, raising=False)
+    assert ahead.workers() == 0
+
+
+@pytest.mark.gpu
+def test_run_under_compile_ahead_writes_nothing_then_the_launch_writes():
+    torch.manual_seed(0)
+    page, kvh, d = 16, 3, 40  # a shape no other test launches: a variant of its own
+    cache = torch.randn(2, 4, page, kvh, d, device="cuda", dtype=torch.float16)
+    before = cache.clone()
+    key = torch.randn(5, kvh, d, device="cuda", dtype=torch.float16)
+    value = torch.randn(5, kvh, d, device="cuda", dtype=torch.float16)
+    slots = torch.tensor([17, 18, -1, 40, 63], device="cuda")
+    with ahead.compile_ahead(num_workers=2) as active:
+        assert active
+        kv_write(key=key, value=value, kv_cache=cache, slot_mapping=slots)
+    torch.cuda.synchronize()
+    assert torch.equal(cache, before)  # compiled only
+    kv_write(key=key, value=value, kv_cache=cache, slot_mapping=slots)
+    expect = before.clone()
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            expect[0, s // page, s % page], expect[1, s // page, s % page] = key[t], value[t]
+    assert torch.equal(cache, expect)
