@@ -1,6 +1,6 @@
 """Benchmarks (scripts, not tests: they print a table and write JSON, never assert on time).
 
-    python -m fullgraph.bench decode --preset llama-1b --batch 1 32 --context 1024
+    python -m fullgraph.bench decode --preset llama-1b --batch 1 32 --context 1024 [--overlap]
     python -m fullgraph.bench capture --preset llama-1b
     python -m fullgraph.bench plan
     python -m fullgraph.bench host --batch 1 32 256 --blocks 68
@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from . import FullGraphRunner, RunnerConfig, SeqChunk, models, padding, plan_step
+from .generate import TokenFetch
 
 
 def _presets() -> dict:
@@ -85,6 +86,39 @@ def time_decode(runner: FullGraphRunner, batch: int, context: int, steps: int, w
     return times
 
 
+def time_decode_overlapped(runner: FullGraphRunner, batch: int, context: int, steps: int,
+                           warmup: int) -> list[float]:
+    """Time between successive steps' tokens reaching the host in a decode loop that launches
+    each step before reading the previous step's tokens (``generate.greedy(..., overlap=True)``):
+    the step's ids are the previous step's argmax, handed over on the device."""
+    bs = runner.config.block_size
+    blocks = [runner.blocks.allocate(-(-(context + steps + warmup + 1) // bs)) for _ in range(batch)]
+    gen = torch.Generator(device=runner.device).manual_seed(0)
+    for cache in runner.kv_caches:
+        cache.normal_(generator=gen)
+    fetch = TokenFetch(runner.device, batch)
+    ids = torch.arange(batch, device=runner.device) * 7 % 1000
+    placeholder = [0]
+    times, pending = [], None
+    _sync(runner.device)
+    last = time.perf_counter()
+    for i in range(warmup + steps):
+        out = runner.step([SeqChunk(placeholder, context + i, blocks[r]) for r in range(batch)], token_ids=ids)
+        ids = out.logits.argmax(-1)
+        handle = fetch.start(ids)
+        if pending is not None:
+            fetch.wait(pending)
+            now = time.perf_counter()
+            if i > warmup:
+                times.append(now - last)
+            last = now
+        pending = handle
+    fetch.wait(pending)
+    for ids_ in blocks:
+        runner.blocks.free(ids_)
+    return times
+
+
 def replay_ms(runner: FullGraphRunner, key, iters: int = 50) -> float:
     """Device time of one graph replay (no host work): the step's GPU cost alone."""
     graphs = runner._graphs  # measurement only: replays whatever the buffers hold (the last step)
@@ -128,7 +162,7 @@ def bench_decode(args) -> list[dict]:
                     continue
                 rows.append(_decode_row(args, model, device, w_bytes, bandwidth, context, batch, mode))
                 print(f"  {args.preset} context {context} batch {batch} {mode}: {rows[-1]['step_ms']:.3f} ms", flush=True)
-    _table(rows, ["preset", "batch", "context", "mode", "attention", "step_ms", "replay1_ms", "replay_ms", "launch_ms", "p90_ms",
+    _table(rows, ["preset", "batch", "context", "mode", "attention", "overlap", "step_ms", "replay1_ms", "replay_ms", "launch_ms", "p90_ms",
                   "floor_ms", "compile_s"])
     eager = {(r["context"], r["batch"]): r["step_ms"] for r in rows if r["mode"] == "none"}
     for r in rows:
@@ -148,13 +182,13 @@ def _decode_row(args, model, device, w_bytes, bandwidth, context, batch, mode) -
     runner.warmup()
     kv_read = batch * context * sum(2 * c.shape[3] * c.shape[4] * c.element_size() for c in runner.kv_caches)
     floor = (w_bytes + kv_read) / bandwidth * 1e3 if bandwidth == bandwidth else float("nan")
-    t = time_decode(runner, batch, context, args.steps, args.warmup)
+    t = (time_decode_overlapped if args.overlap else time_decode)(runner, batch, context, args.steps, args.warmup)
     full = mode == "full"
     replay = replay_ms(runner, (batch, True)) if full else float("nan")
     replay1, launch = isolated_replay_ms(runner, (batch, True)) if full else (float("nan"),) * 2
     stats = runner.stats()
     row = {"preset": args.preset, "batch": batch, "context": context, "mode": mode,
-           "attention": runner.config.attention, "compile": args.compile, "dtype": args.dtype,
+           "attention": runner.config.attention, "compile": args.compile, "overlap": args.overlap, "dtype": args.dtype,
            "step_ms": statistics.median(t) * 1e3, "p10_ms": np.percentile(t, 10) * 1e3,
            "p90_ms": np.percentile(t, 90) * 1e3, "floor_ms": floor, "weight_bytes": w_bytes,
            "kv_bytes": kv_read, "copy_TBps": bandwidth / 1e12, "compile_s": stats["compile_seconds"],
@@ -276,6 +310,9 @@ def main(argv: list[str] | None = None) -> None:
     d.add_argument("--steps", type=int, default=50)
     d.add_argument("--warmup", type=int, default=5)
     d.add_argument("--compile", action="store_true")
+    d.add_argument("--overlap", action="store_true",
+                   help="launch each step before reading the previous step's tokens (ids handed over on the "
+                        "device); step_ms is then the time between two steps' tokens")
     c = sub.add_parser("capture", help="capture every default size (CUDA)")
     c.add_argument("--preset", default="llama-1b", choices=sorted(_presets()))
     c.add_argument("--attention", default="auto")

@@ -28,12 +28,20 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def greedy(runner: FullGraphRunner, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> GenerateResult:
+def greedy(runner: FullGraphRunner, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+           overlap: bool = False) -> GenerateResult:
     """Greedy-decode every prompt for ``max_new_tokens`` tokens; frees the pages afterwards.
 
     Prefill packs the prompts' chunks into steps of at most ``max_num_tokens`` tokens and
     ``max_num_seqs`` chunks (a long prompt spans several steps: chunked prefill); decode runs
     all requests together, one token each per step.
+
+    ``overlap``: each decode step is planned and launched while the one before it still runs;
+    its token ids are the previous step's argmax, handed over on the device
+    (``runner.step(..., token_ids=...)``), and the host reads each step's tokens while the next
+    one runs. Same tokens; the host's work per step then hides behind the device's. Each
+    ``decode_seconds`` entry is then the time between two steps' tokens reaching the host (what
+    a client streaming them sees) instead of one synchronised step.
     """
     cfg = runner.config
     if len(prompts) > cfg.max_num_seqs:
@@ -58,7 +66,9 @@ def greedy(runner: FullGraphRunner, prompts: Sequence[Sequence[int]], max_new_to
                     last[i] = int(logits[row].argmax())
         for i, tok in enumerate(last):
             result.tokens[i].append(tok)
-        for step in range(max_new_tokens - 1):
+        if overlap:
+            _decode_overlapped(runner, prompts, blocks, max_new_tokens - 1, result)
+        for step in range(0 if overlap else max_new_tokens - 1):
             chunks = [SeqChunk([result.tokens[i][-1]], len(p) + step, blocks[i], request_id=i)
                       for i, p in enumerate(prompts)]
             logits = _timed(runner, chunks, result.decode_seconds, result.modes)
@@ -78,3 +88,53 @@ def _timed(runner: FullGraphRunner, chunks: list[SeqChunk], times: list[float], 
     times.append(time.perf_counter() - start)
     modes.append(out.mode)
     return out.logits
+
+
+class TokenFetch:
+    """Device-to-host copies of sampled ids that wait for nothing queued after them (a plain
+    ``.tolist()`` waits for every step queued behind): two pinned buffers with an event each,
+    used in turn, so one can be read while the next copy is in flight."""
+
+    def __init__(self, device: torch.device, num: int) -> None:
+        cuda = device.type == "cuda"
+        self._host = [torch.empty(num, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
+        self._events = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        self._next = 0
+
+    def start(self, ids: torch.Tensor) -> int:
+        """Queue the copy of ``ids`` (int64, ``num`` of them); returns the handle for ``wait``."""
+        i, self._next = self._next, self._next ^ 1
+        self._host[i].copy_(ids, non_blocking=True)
+        if self._events[i] is not None:
+            self._events[i].record()
+        return i
+
+    def wait(self, handle: int) -> list[int]:
+        """The ids of one ``start``, once they have arrived (call before the second ``start`` after it)."""
+        if self._events[handle] is not None:
+            self._events[handle].synchronize()
+        return self._host[handle].tolist()
+
+
+def _decode_overlapped(runner: FullGraphRunner, prompts: Sequence[Sequence[int]], blocks: list[list[int]],
+                       num_steps: int, result: GenerateResult) -> None:
+    """``num_steps`` decode steps, each launched before the previous step's tokens are read."""
+    n = len(prompts)
+    fetch = TokenFetch(runner.device, n)
+    ids = torch.tensor([t[-1] for t in result.tokens], dtype=torch.int64, device=runner.device)
+    placeholder = [0]  # the chunks give lengths only: the ids come from ``ids`` on the device
+    pending, last = None, time.perf_counter()
+    for step in range(num_steps + 1):
+        if step < num_steps:
+            chunks = [SeqChunk(placeholder, len(p) + step, blocks[i], request_id=i) for i, p in enumerate(prompts)]
+            out = runner.step(chunks, token_ids=ids)
+            ids = out.logits.argmax(-1)
+            result.modes.append(out.mode)
+            handle = fetch.start(ids)
+        if pending is not None:  # the step before this one: read while this one runs
+            for i, tok in enumerate(fetch.wait(pending)):
+                result.tokens[i].append(tok)
+            now = time.perf_counter()
+            result.decode_seconds.append(now - last)
+            last = now
+        pending = handle if step < num_steps else None

@@ -86,13 +86,23 @@ class FullGraphRunner:
                        "eager_fallbacks": Counter()}
 
     # ---- running a step -------------------------------------------------------------------
-    def step(self, chunks: Sequence[SeqChunk]) -> StepOutput:
-        """Run one step; returns the logits of each chunk's last token."""
+    def step(self, chunks: Sequence[SeqChunk], token_ids: torch.Tensor | None = None) -> StepOutput:
+        """Run one step; returns the logits of each chunk's last token.
+
+        The step is queued on the device and this returns without waiting for it (the logits are
+        a device tensor). ``token_ids``: optionally, every token id of the step as one
+        ``(num_tokens,)`` int64 (or int32) tensor on the runner's device, the chunks' ids
+        concatenated in chunk order; it replaces the values of ``chunks[i].token_ids``, which then
+        only give each chunk's length (any ids in range will do). Step N+1 can so be planned and
+        launched while step N still runs, its ids being step N's samples that never visit the host
+        (``generate.greedy(..., overlap=True)``). These ids are range-checked only with
+        ``validate=True``, which waits for the device.
+        """
         # torch.inference_mode() as a decorator builds a context manager per call (~2 us); this is its core
         with torch._C._InferenceMode(True):
-            return self._step(chunks)
+            return self._step(chunks, token_ids)
 
-    def _step(self, chunks: Sequence[SeqChunk]) -> StepOutput:
+    def _step(self, chunks: Sequence[SeqChunk], token_ids: torch.Tensor | None = None) -> StepOutput:
         cfg = self.config
         pad = cfg.cudagraph != "none"
         if not self._warm and (self._compiled is not None or self._graphs is not None):
@@ -105,19 +115,37 @@ class FullGraphRunner:
             reason = backend.step_unsupported_reason(plan)
             if reason:
                 raise ValueError(f"attention backend {backend.name!r} cannot run this step: {reason}")
+        if token_ids is not None:
+            self._check_token_ids(token_ids, plan.num_tokens)
         if cfg.validate and pad:
             padding.check(plan, self.policy)
         if not pad:
-            logits, mode = self._run_unpadded(plan), "none"
+            logits, mode = self._run_unpadded(plan, token_ids), "none"
         else:
-            logits, mode = self._run_padded(plan)
+            logits, mode = self._run_padded(plan, token_ids)
         self._count(plan, mode)
         return StepOutput(logits, mode, plan.num_tokens, plan.num_tokens_padded)
 
-    def _run_padded(self, plan: StepPlan) -> tuple[torch.Tensor, str]:
+    def _check_token_ids(self, token_ids: torch.Tensor, num_tokens: int) -> None:
+        ok = (isinstance(token_ids, torch.Tensor) and token_ids.device == self.device
+              and token_ids.dtype in (torch.int64, torch.int32) and tuple(token_ids.shape) == (num_tokens,))
+        if not ok:
+            got = (f"{token_ids.dtype} {tuple(token_ids.shape)} on {token_ids.device}"
+                   if isinstance(token_ids, torch.Tensor) else type(token_ids).__name__)
+            raise ValueError(f"token_ids: expected a ({num_tokens},) int64 or int32 tensor on {self.device} "
+                             f"(the step's {num_tokens} tokens in chunk order), got {got}")
+        if self.config.validate:  # waits for the device
+            bad = (token_ids < 0) | (token_ids >= self.vocab_size)
+            if bool(bad.any()):
+                i = int(bad.nonzero()[0])
+                raise ValueError(f"token_ids[{i}] = {int(token_ids[i])}: outside the vocabulary [0, {self.vocab_size})")
+
+    def _run_padded(self, plan: StepPlan, token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, str]:
         key = plan.key
         graph = self._graphs is not None and self._graph_for(key, plan)
         self.buffers.upload()
+        if token_ids is not None:  # after the upload, in stream order
+            self.buffers.tensors["input_ids"][: plan.num_tokens].copy_(token_ids)
         if self._strict is not None:
             if graph:
                 self._graphs.check_addresses(self._addresses())
@@ -150,10 +178,11 @@ class FullGraphRunner:
         v.logits.copy_(self._forward(v.input_ids, v.positions, v.logits_indices, v.query_start_loc,
                                      v.seq_start_loc, v.seq_lens, v.block_table, v.slot_mapping, decode_only))
 
-    def _run_unpadded(self, plan: StepPlan) -> torch.Tensor:
+    def _run_unpadded(self, plan: StepPlan, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         def dev(a):
             return torch.from_numpy(a).to(self.device)
-        return self._forward(dev(plan.input_ids), dev(plan.positions), dev(plan.logits_indices),
+        input_ids = dev(plan.input_ids) if token_ids is None else token_ids.to(torch.int64)
+        return self._forward(input_ids, dev(plan.positions), dev(plan.logits_indices),
                              dev(plan.query_start_loc), dev(plan.seq_start_loc), dev(plan.seq_lens),
                              dev(plan.block_table), dev(plan.slot_mapping), plan.decode_only)
 
