@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session in few calls: `bash benchmarks/gpu_suite.sh PART...` with PART in
-#   env tests tests-all targets kernels linear pdl-ab sdpa-ab diag profile-phi3 core core-fast phi3 phi3-fast capture compile final
+#   env tests tests-all targets kernels linear pdl-ab sdpa-ab diag profile-phi3 core core-fast phi3 phi3-fast capture
+#   capture-ahead compile final
 # Logs and JSON land in $OUT (or ./out); each part has its own time limit so a call stays bounded.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -30,9 +31,9 @@ tests-all)
     ;;
 targets)  # the decode-step rows the issues set targets for (full graphs, no compile)
     run decode_llama1b_triton 90 python3 -m fullgraph.bench decode --preset llama-1b --batch 1 32 --context 1024 \
-        --attention triton --modes full --steps 30 --out "$OUT/decode_llama1b_triton.json"
+        --attention triton --modes full --steps 30 --loop sync overlap --out "$OUT/decode_llama1b_triton.json"
     run decode_phi3 120 python3 -m fullgraph.bench decode --preset phi3-small-8k --batch 1 16 --context 2048 \
-        --modes full --steps 30 --out "$OUT/decode_phi3.json"
+        --modes full --steps 30 --loop sync overlap --out "$OUT/decode_phi3.json"
     run decode_phi3_dense 90 python3 -m fullgraph.bench decode --preset phi3-small-8k-dense --batch 1 --context 2048 \
         --modes full --steps 30 --out "$OUT/decode_phi3_dense.json"
     ;;
@@ -114,6 +115,14 @@ capture)  # Phi-3-Small first on a fresh machine (cold Triton cache), then again
     run capture_phi3_warm 200 python3 -m fullgraph.bench capture --preset phi3-small-8k --out "$OUT/capture_phi3_warm.json"
     run capture_llama1b 150 python3 -m fullgraph.bench capture --preset llama-1b --out "$OUT/capture_llama1b.json"
     ;;
+capture-ahead)  # Phi-3-Small capture on empty Triton caches, kernels compiled ahead (kernels.ahead) or not, then warm
+    on=$(mktemp -d) off=$(mktemp -d)
+    for case in "cold_ahead $on 16" "cold_serial $off 0" "warm_ahead $on 16" "warm_serial $off 0"; do
+        set -- $case
+        TRITON_CACHE_DIR=$2 FULLGRAPH_COMPILE_WORKERS=$3 run "capture_$1" 200 python3 benchmarks/capture_breakdown.py \
+            --preset phi3-small-8k --out "$OUT/capture_$1.json"
+    done
+    ;;
 phi3)
     run decode_phi3_dense 150 python3 -m fullgraph.bench decode --preset phi3-small-8k-dense --batch 1 --context 2048 \
         --modes none full --out "$OUT/decode_phi3_dense.json"
@@ -126,9 +135,9 @@ phi3)
     ;;
 compile)
     run decode_llama1b_compile 300 python3 -m fullgraph.bench decode --preset llama-1b --batch 1 --context 1024 \
-        --modes full --compile --out "$OUT/decode_llama1b_compile.json"
+        --modes full --compile --steps 30 --loop sync overlap --out "$OUT/decode_llama1b_compile.json"
     run decode_phi3_compile 300 python3 -m fullgraph.bench decode --preset phi3-small-8k --batch 1 --context 2048 \
-        --modes full --compile --out "$OUT/decode_phi3_compile.json"
+        --modes full --compile --steps 30 --loop sync overlap --out "$OUT/decode_phi3_compile.json"
     ;;
 *) echo "unknown part $part"; exit 2 ;;
 esac

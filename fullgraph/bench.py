@@ -1,6 +1,6 @@
 """Benchmarks (scripts, not tests: they print a table and write JSON, never assert on time).
 
-    python -m fullgraph.bench decode --preset llama-1b --batch 1 32 --context 1024 [--overlap]
+    python -m fullgraph.bench decode --preset llama-1b --batch 1 32 --context 1024 [--loop sync overlap]
     python -m fullgraph.bench capture --preset llama-1b
     python -m fullgraph.bench plan
     python -m fullgraph.bench host --batch 1 32 256 --blocks 68
@@ -160,13 +160,15 @@ def bench_decode(args) -> list[dict]:
             for mode in args.modes:
                 if mode == "full" and device.type != "cuda":
                     continue
-                rows.append(_decode_row(args, model, device, w_bytes, bandwidth, context, batch, mode))
-                print(f"  {args.preset} context {context} batch {batch} {mode}: {rows[-1]['step_ms']:.3f} ms", flush=True)
-    _table(rows, ["preset", "batch", "context", "mode", "attention", "overlap", "step_ms", "replay1_ms", "replay_ms", "launch_ms", "p90_ms",
+                for row in _decode_rows(args, model, device, w_bytes, bandwidth, context, batch, mode):
+                    rows.append(row)
+                    print(f"  {args.preset} context {context} batch {batch} {mode} {row['loop']}: "
+                          f"{row['step_ms']:.3f} ms", flush=True)
+    _table(rows, ["preset", "batch", "context", "mode", "attention", "loop", "step_ms", "replay1_ms", "replay_ms", "launch_ms", "p90_ms",
                   "floor_ms", "compile_s"])
-    eager = {(r["context"], r["batch"]): r["step_ms"] for r in rows if r["mode"] == "none"}
+    eager = {(r["context"], r["batch"]): r["step_ms"] for r in rows if r["mode"] == "none" and r["loop"] == "sync"}
     for r in rows:
-        if r["mode"] == "full":
+        if r["mode"] == "full" and r["loop"] == "sync":
             speedup = f"{eager[r['context'], r['batch']] / r['step_ms']:.2f}x faster than eager, " \
                 if (r["context"], r["batch"]) in eager else ""
             print(f"context {r['context']} batch {r['batch']}: full is {speedup}"
@@ -174,7 +176,8 @@ def bench_decode(args) -> list[dict]:
     return rows
 
 
-def _decode_row(args, model, device, w_bytes, bandwidth, context, batch, mode) -> dict:
+def _decode_rows(args, model, device, w_bytes, bandwidth, context, batch, mode) -> list[dict]:
+    """One runner; a row per decode loop in ``args.loop`` (the device-time columns are shared)."""
     max_len = -(-(context + args.steps + args.warmup + 1) // 256) * 256
     runner = FullGraphRunner(model, max_num_seqs=max(batch, 1), max_num_tokens=max(batch, 16),
                              max_model_len=max_len, cudagraph=mode, attention=args.attention,
@@ -182,23 +185,24 @@ def _decode_row(args, model, device, w_bytes, bandwidth, context, batch, mode) -
     runner.warmup()
     kv_read = batch * context * sum(2 * c.shape[3] * c.shape[4] * c.element_size() for c in runner.kv_caches)
     floor = (w_bytes + kv_read) / bandwidth * 1e3 if bandwidth == bandwidth else float("nan")
-    t = (time_decode_overlapped if args.overlap else time_decode)(runner, batch, context, args.steps, args.warmup)
+    loops = {"sync": time_decode, "overlap": time_decode_overlapped}
+    timed = {loop: loops[loop](runner, batch, context, args.steps, args.warmup) for loop in args.loop}
     full = mode == "full"
     replay = replay_ms(runner, (batch, True)) if full else float("nan")
     replay1, launch = isolated_replay_ms(runner, (batch, True)) if full else (float("nan"),) * 2
     stats = runner.stats()
-    row = {"preset": args.preset, "batch": batch, "context": context, "mode": mode,
-           "attention": runner.config.attention, "compile": args.compile, "overlap": args.overlap, "dtype": args.dtype,
-           "step_ms": statistics.median(t) * 1e3, "p10_ms": np.percentile(t, 10) * 1e3,
-           "p90_ms": np.percentile(t, 90) * 1e3, "floor_ms": floor, "weight_bytes": w_bytes,
-           "kv_bytes": kv_read, "copy_TBps": bandwidth / 1e12, "compile_s": stats["compile_seconds"],
-           "capture_s": stats["capture_seconds"], "replay_ms": replay, "replay1_ms": replay1,
-           "launch_ms": launch}
+    rows = [{"preset": args.preset, "batch": batch, "context": context, "mode": mode,
+             "attention": runner.config.attention, "compile": args.compile, "loop": loop, "dtype": args.dtype,
+             "step_ms": statistics.median(t) * 1e3, "p10_ms": np.percentile(t, 10) * 1e3,
+             "p90_ms": np.percentile(t, 90) * 1e3, "floor_ms": floor, "weight_bytes": w_bytes,
+             "kv_bytes": kv_read, "copy_TBps": bandwidth / 1e12, "compile_s": stats["compile_seconds"],
+             "capture_s": stats["capture_seconds"], "replay_ms": replay, "replay1_ms": replay1,
+             "launch_ms": launch} for loop, t in timed.items()]
     del runner
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return row
+    return rows
 
 
 def bench_capture(args) -> list[dict]:
@@ -310,9 +314,10 @@ def main(argv: list[str] | None = None) -> None:
     d.add_argument("--steps", type=int, default=50)
     d.add_argument("--warmup", type=int, default=5)
     d.add_argument("--compile", action="store_true")
-    d.add_argument("--overlap", action="store_true",
-                   help="launch each step before reading the previous step's tokens (ids handed over on the "
-                        "device); step_ms is then the time between two steps' tokens")
+    d.add_argument("--loop", nargs="+", default=["sync"], choices=["sync", "overlap"],
+                   help="sync: each step synchronised; overlap: each step launched before the previous "
+                        "step's tokens are read (ids handed over on the device), step_ms is then the time "
+                        "between two steps' tokens")
     c = sub.add_parser("capture", help="capture every default size (CUDA)")
     c.add_argument("--preset", default="llama-1b", choices=sorted(_presets()))
     c.add_argument("--attention", default="auto")
