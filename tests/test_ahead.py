@@ -24,8 +24,18 @@ def test_kernel_launches_normally_and_only_compiles_when_active(monkeypatch):
     k = ahead.kernel(fake)
     k[(3, 2)](1, 2, BLOCK=4)
     monkeypatch.setattr(ahead, "_active", True)
-    k[(5,)](7, BLOCK=8)
-    assert fake.calls == [("launch", (3, 2), (1, 2), {"BLOCK": 4}), ("warmup", (5,), (7,), {"BLOCK": 8})]
+    monkeypatch.setattr(ahead, "_submitted", set())
+    t = torch.zeros(4)
+    k[(5,)](7, t, BLOCK=8)
+    k[(6,)](7, torch.ones(4), BLOCK=8)    # the same variant again (another tensor): submitted once
+    k[(5,)](8, t, BLOCK=8)                # another scalar value: submitted (finer than Triton's key)
+    k[(5,)](7, t.half(), BLOCK=8)         # another dtype
+    k[(5,)](7, t, BLOCK=16)               # another constexpr
+    calls = [(how, grid, tuple(str(a.dtype) if isinstance(a, torch.Tensor) else a for a in args), kw)
+             for how, grid, args, kw in fake.calls]
+    assert calls == [("launch", (3, 2), (1, 2), {"BLOCK": 4})] + [
+        ("warmup", (5,), args, {"BLOCK": b}) for args, b in
+        [((7, "torch.float32"), 8), ((8, "torch.float32"), 8), ((7, "torch.float16"), 8), ((7, "torch.float32"), 16)]]
 
 
 def test_off_without_cuda_or_when_disabled(monkeypatch):
