@@ -181,7 +181,7 @@ class FullGraphRunner:
     def _run_unpadded(self, plan: StepPlan, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         def dev(a):
             return torch.from_numpy(a).to(self.device)
-        input_ids = dev(plan.input_ids) if token_ids is None else token_ids.to(torch.int64)
+        input_ids = dev(plan.input_ids) if token_ids is None else token_ids.to(torch.int64).contiguous()
         return self._forward(input_ids, dev(plan.positions), dev(plan.logits_indices),
                              dev(plan.query_start_loc), dev(plan.seq_start_loc), dev(plan.seq_lens),
                              dev(plan.block_table), dev(plan.slot_mapping), plan.decode_only)
