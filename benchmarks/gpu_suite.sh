@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session in few calls: `bash benchmarks/gpu_suite.sh PART...` with PART in
 #   env tests tests-all targets kernels linear pdl-ab sdpa-ab diag profile-phi3 core core-fast phi3 phi3-fast capture
-#   capture-ahead compile final
+#   capture-ahead compile compile-time final
 # Logs and JSON land in $OUT (or ./out); each part has its own time limit so a call stays bounded.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -138,6 +138,14 @@ compile)
         --modes full --compile --steps 30 --loop sync overlap --out "$OUT/decode_llama1b_compile.json"
     run decode_phi3_compile 300 python3 -m fullgraph.bench decode --preset phi3-small-8k --batch 1 --context 2048 \
         --modes full --compile --steps 30 --loop sync overlap --out "$OUT/decode_phi3_compile.json"
+    ;;
+compile-time)  # compile time of a fresh process, then of the next one (Inductor's on-disk caches warm)
+    for preset in llama-1b phi3-small-8k; do
+        for start in first cached; do
+            run "compile_${preset}_$start" 120 python3 -m fullgraph.bench compile --preset $preset \
+                --out "$OUT/compile_${preset}_$start.json"
+        done
+    done
     ;;
 *) echo "unknown part $part"; exit 2 ;;
 esac

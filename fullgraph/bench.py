@@ -2,6 +2,7 @@
 
     python -m fullgraph.bench decode --preset llama-1b --batch 1 32 --context 1024 [--loop sync overlap]
     python -m fullgraph.bench capture --preset llama-1b
+    python -m fullgraph.bench compile --preset llama-1b   (twice: first and cached start)
     python -m fullgraph.bench plan
     python -m fullgraph.bench host --batch 1 32 256 --blocks 68
 """
@@ -218,6 +219,29 @@ def bench_capture(args) -> list[dict]:
     return [row]
 
 
+def bench_compile(args) -> list[dict]:
+    """Compile time of a ``compile=True`` runner's warm-up (decode and mixed graphs), split into
+    Dynamo's total and the backend (Inductor) part; run it in two fresh processes to see what
+    Inductor's on-disk caches save on the second start."""
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    model = _presets()[args.preset](dtype=torch.bfloat16 if cuda else torch.float32, device=device, seed=0)
+    runner = FullGraphRunner(model, max_num_seqs=1, max_num_tokens=16, max_model_len=2304,
+                             cudagraph="full" if cuda else "padded", capture_sizes=(1,), compile=True)
+    start = time.perf_counter()
+    runner.warmup()
+    total = time.perf_counter() - start
+    stats = runner.stats()
+    phases = torch._dynamo.utils.compile_times(repr="csv")  # (names, values), one value list per phase
+    seconds = {name: sum(float(v) for v in str(val).split(",") if v.strip())
+               for name, val in zip(*phases)} if isinstance(phases, tuple) else {}
+    row = {"preset": args.preset, "graphs": stats["compiled_graphs"], "compile_s": stats["compile_seconds"],
+           "warmup_s": total, "dynamo_s": seconds.get("_compile.compile_inner", float("nan")),
+           "backend_s": seconds.get("OutputGraph.call_user_compiler", float("nan"))}
+    _table([row], list(row))
+    return [row]
+
+
 def _median_us(fn, iters: int, warmup: int = 20) -> tuple[float, float]:
     """Median and p90 wall time of ``fn()`` in microseconds."""
     for _ in range(warmup):
@@ -322,6 +346,8 @@ def main(argv: list[str] | None = None) -> None:
     c.add_argument("--preset", default="llama-1b", choices=sorted(_presets()))
     c.add_argument("--attention", default="auto")
     c.add_argument("--compile", action="store_true")
+    k = sub.add_parser("compile", help="compile time of a compile=True runner (run twice: first and cached)")
+    k.add_argument("--preset", default="toy", choices=sorted(_presets()))
     sub.add_parser("plan", help="host planning cost of decode batches")
     h = sub.add_parser("host", help="host cost of a decode step: plan, copy_in, everything before the launch")
     h.add_argument("--preset", default="toy", choices=sorted(_presets()))
@@ -329,10 +355,11 @@ def main(argv: list[str] | None = None) -> None:
     h.add_argument("--batch", type=int, nargs="+", default=[1, 32, 256])
     h.add_argument("--blocks", type=int, default=68, help="KV pages passed per chunk")
     h.add_argument("--iters", type=int, default=400)
-    for p in (d, c, sub.choices["plan"], h):
+    for p in (d, c, k, sub.choices["plan"], h):
         p.add_argument("--out", default=None, help="JSON output path")
     args = parser.parse_args(argv)
-    rows = {"decode": bench_decode, "capture": bench_capture, "plan": bench_plan, "host": bench_host}[args.command](args)
+    rows = {"decode": bench_decode, "capture": bench_capture, "compile": bench_compile, "plan": bench_plan,
+            "host": bench_host}[args.command](args)
     out = args.out or f"bench_{args.command}.json"
     with open(out, "w") as f:
         json.dump({"command": args.command, "device": torch.cuda.get_device_name() if torch.cuda.is_available()
