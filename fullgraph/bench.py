@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from . import FullGraphRunner, RunnerConfig, SeqChunk, models, padding, plan_step
-from .generate import TokenFetch
+from .generate import decode_overlapped
 
 
 def _presets() -> dict:
@@ -89,32 +89,25 @@ def time_decode(runner: FullGraphRunner, batch: int, context: int, steps: int, w
 
 def time_decode_overlapped(runner: FullGraphRunner, batch: int, context: int, steps: int,
                            warmup: int) -> list[float]:
-    """Time between successive steps' tokens reaching the host in a decode loop that launches
-    each step before reading the previous step's tokens (``generate.greedy(..., overlap=True)``):
-    the step's ids are the previous step's argmax, handed over on the device."""
+    """Time between successive steps' tokens reaching the host in ``generate.decode_overlapped``
+    (each step launched before the previous step's tokens are read, its ids handed over on the
+    device), batch requests at ``context`` tokens."""
     bs = runner.config.block_size
     blocks = [runner.blocks.allocate(-(-(context + steps + warmup + 1) // bs)) for _ in range(batch)]
     gen = torch.Generator(device=runner.device).manual_seed(0)
     for cache in runner.kv_caches:
         cache.normal_(generator=gen)
-    fetch = TokenFetch(runner.device, batch)
-    ids = torch.arange(batch, device=runner.device) * 7 % 1000
     placeholder = [0]
-    times, pending = [], None
+    ids = torch.arange(batch, device=runner.device) * 7 % 1000
+    times = []
     _sync(runner.device)
     last = time.perf_counter()
-    for i in range(warmup + steps):
-        out = runner.step([SeqChunk(placeholder, context + i, blocks[r]) for r in range(batch)], token_ids=ids)
-        ids = out.logits.argmax(-1)
-        handle = fetch.start(ids)
-        if pending is not None:
-            fetch.wait(pending)
-            now = time.perf_counter()
-            if i > warmup:
-                times.append(now - last)
-            last = now
-        pending = handle
-    fetch.wait(pending)
+    for i, _ in enumerate(decode_overlapped(runner, lambda step: [SeqChunk(placeholder, context + step, blocks[r])
+                                                                  for r in range(batch)], ids, warmup + steps)):
+        now = time.perf_counter()
+        if i >= warmup:
+            times.append(now - last)
+        last = now
     for ids_ in blocks:
         runner.blocks.free(ids_)
     return times

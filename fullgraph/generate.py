@@ -6,7 +6,7 @@ serving engine does, for the demo, the examples and the benchmarks.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -116,25 +116,39 @@ class TokenFetch:
         return self._host[handle].tolist()
 
 
+def decode_overlapped(runner: FullGraphRunner, chunks_for: Callable[[int], list[SeqChunk]], ids: torch.Tensor,
+                      num_steps: int) -> Iterator[tuple[list[int], str]]:
+    """Run ``num_steps`` decode steps, each launched before the previous step's tokens are read;
+    yields each step's greedy tokens and mode as they reach the host (the host's work for step N+1
+    happens while step N runs).
+
+    ``chunks_for(step)``: that step's chunks, one token each (their ids are ignored: each step's
+    ids are the previous step's argmax, handed over on the device); ``ids``: the first step's ids,
+    a (num_chunks,) int64 tensor on the runner's device."""
+    fetch = TokenFetch(runner.device, len(ids))
+    pending = None
+    for step in range(num_steps):
+        out = runner.step(chunks_for(step), token_ids=ids)
+        ids = out.logits.argmax(-1)
+        handle = fetch.start(ids)
+        if pending is not None:  # the step before this one: read while this one runs
+            yield fetch.wait(pending[0]), pending[1]
+        pending = handle, out.mode
+    if pending is not None:
+        yield fetch.wait(pending[0]), pending[1]
+
+
 def _decode_overlapped(runner: FullGraphRunner, prompts: Sequence[Sequence[int]], blocks: list[list[int]],
                        num_steps: int, result: GenerateResult) -> None:
-    """``num_steps`` decode steps, each launched before the previous step's tokens are read."""
-    n = len(prompts)
-    fetch = TokenFetch(runner.device, n)
+    placeholder = [0]  # the chunks give lengths only
     ids = torch.tensor([t[-1] for t in result.tokens], dtype=torch.int64, device=runner.device)
-    placeholder = [0]  # the chunks give lengths only: the ids come from ``ids`` on the device
-    pending, last = None, time.perf_counter()
-    for step in range(num_steps + 1):
-        if step < num_steps:
-            chunks = [SeqChunk(placeholder, len(p) + step, blocks[i], request_id=i) for i, p in enumerate(prompts)]
-            out = runner.step(chunks, token_ids=ids)
-            ids = out.logits.argmax(-1)
-            result.modes.append(out.mode)
-            handle = fetch.start(ids)
-        if pending is not None:  # the step before this one: read while this one runs
-            for i, tok in enumerate(fetch.wait(pending)):
-                result.tokens[i].append(tok)
-            now = time.perf_counter()
-            result.decode_seconds.append(now - last)
-            last = now
-        pending = handle if step < num_steps else None
+    last = time.perf_counter()
+    steps = decode_overlapped(runner, lambda step: [SeqChunk(placeholder, len(p) + step, blocks[i], request_id=i)
+                                                    for i, p in enumerate(prompts)], ids, num_steps)
+    for tokens, mode in steps:
+        for i, tok in enumerate(tokens):
+            result.tokens[i].append(tok)
+        now = time.perf_counter()
+        result.decode_seconds.append(now - last)
+        result.modes.append(mode)
+        last = now

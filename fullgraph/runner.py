@@ -143,9 +143,7 @@ class FullGraphRunner:
     def _run_padded(self, plan: StepPlan, token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, str]:
         key = plan.key
         graph = self._graphs is not None and self._graph_for(key, plan)
-        self.buffers.upload()
-        if token_ids is not None:  # after the upload, in stream order
-            self.buffers.tensors["input_ids"][: plan.num_tokens].copy_(token_ids)
+        self.buffers.upload(token_ids)
         if self._strict is not None:
             if graph:
                 self._graphs.check_addresses(self._addresses())
