@@ -8,7 +8,7 @@ process (ours and, with ``--compile``, Inductor's) is timed by wrapping Triton's
 entry point, and every first load of a compiled kernel (module load, launcher) by wrapping
 ``CompiledKernel._init_handles``; run it in a fresh process so the in-memory kernel caches are
 cold (the on-disk cache is not cleared: point ``TRITON_CACHE_DIR`` at an empty directory for a
-cold start). With kernels compiled ahead (``fullgraph.kernels.ahead``, on by default) the
+cold start). With kernels compiled ahead (``fullgraph.kernels.compile_ahead``, on by default) the
 compile column is the serial part only (submitting); ``compile ahead`` in the report is the
 parallel pass's wall time. ``FULLGRAPH_COMPILE_WORKERS=0`` switches it off for an A/B.
 ``--profile`` prints the capture's top functions under cProfile (which slows Python-heavy parts).
@@ -27,7 +27,8 @@ import triton.compiler.compiler as triton_compiler
 import triton.runtime.jit as triton_jit
 
 from fullgraph import FullGraphRunner, RunnerConfig
-from fullgraph.bench import _presets, _table
+from fullgraph.bench import _table
+from fullgraph.models import presets
 
 
 def _timed_compiles() -> tuple[dict[str, list[float]], list[float]]:
@@ -60,7 +61,7 @@ def _timed_compiles() -> tuple[dict[str, list[float]], list[float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--preset", default="phi3-small-8k", choices=sorted(_presets()))
+    parser.add_argument("--preset", default="phi3-small-8k", choices=presets.names())
     parser.add_argument("--attention", default="auto")
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--profile", action="store_true")
@@ -68,7 +69,7 @@ def main() -> None:
     args = parser.parse_args()
 
     seconds, loads = _timed_compiles()
-    model = _presets()[args.preset](dtype=torch.bfloat16, device="cuda", seed=0)
+    model = presets.build(args.preset, dtype=torch.bfloat16, device="cuda", seed=0)
     runner = FullGraphRunner(model, RunnerConfig(cudagraph="full", attention=args.attention, compile=args.compile))
     profile = cProfile.Profile() if args.profile else None
     start = time.perf_counter()

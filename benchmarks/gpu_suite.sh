@@ -61,15 +61,15 @@ pdl-ab)  # programmatic dependent launch off / on (fullgraph.kernels.pdl), batch
     run llama1b_sdpa 60 python3 -m fullgraph.bench decode --preset llama-1b --batch 1 --context 1024 --attention sdpa \
         --modes full --steps 30 --out "$OUT/llama1b_sdpa.json"
     ;;
-sdpa-ab)  # the reference backend's decode variants (fullgraph.attention.torch_ops), llama-1b batch 1
+sdpa-ab)  # the reference backend's decode variants (SdpaBackend.decode_gather / decode_attention), llama-1b batch 1
     for gather in rows slots; do
         for attn in matmul matmul_keys; do
             run "sdpa_${gather}_${attn}" 60 python3 -c "
-from fullgraph.attention import torch_ops
-torch_ops.DECODE_GATHER, torch_ops.DECODE_ATTENTION = '$gather', '$attn'
+from fullgraph.attention.backends.sdpa import SdpaBackend
 from fullgraph.bench import main
-main(['decode', '--preset', 'llama-1b', '--batch', '1', '--context', '1024', '--attention', 'sdpa',
-      '--modes', 'full', '--steps', '30', '--out', '$OUT/sdpa_${gather}_${attn}.json'])"
+variant = type('SdpaVariant', (SdpaBackend,), {'decode_gather': '$gather', 'decode_attention': '$attn'})
+main(['decode', '--preset', 'llama-1b', '--batch', '1', '--context', '1024', '--modes', 'full', '--steps', '30',
+      '--out', '$OUT/sdpa_${gather}_${attn}.json'], attention=variant)"
         done
     done
     ;;
@@ -115,7 +115,7 @@ capture)  # Phi-3-Small first on a fresh machine (cold Triton cache), then again
     run capture_phi3_warm 200 python3 -m fullgraph.bench capture --preset phi3-small-8k --out "$OUT/capture_phi3_warm.json"
     run capture_llama1b 150 python3 -m fullgraph.bench capture --preset llama-1b --out "$OUT/capture_llama1b.json"
     ;;
-capture-ahead)  # Phi-3-Small capture on empty Triton caches, kernels compiled ahead (kernels.ahead) or not, then warm
+capture-ahead)  # Phi-3-Small capture on empty Triton caches, kernels compiled ahead (kernels.compile_ahead) or not, then warm
     on=$(mktemp -d) off=$(mktemp -d)
     for case in "cold_ahead $on 16" "cold_serial $off 0" "warm_ahead $on 16" "warm_serial $off 0"; do
         set -- $case

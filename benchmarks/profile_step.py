@@ -13,7 +13,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from fullgraph import FullGraphRunner
-from fullgraph.bench import _presets, time_decode
+from fullgraph.bench import time_decode
+from fullgraph.models import presets
 
 
 def main() -> None:
@@ -24,7 +25,7 @@ def main() -> None:
     p.add_argument("--attention", default="triton")
     p.add_argument("--out", default="profile_step.json")
     args = p.parse_args()
-    model = _presets()[args.preset](dtype=torch.bfloat16, device=torch.device("cuda"), seed=0)
+    model = presets.build(args.preset, dtype=torch.bfloat16, device=torch.device("cuda"), seed=0)
     runner = FullGraphRunner(model, max_num_seqs=args.batch, max_num_tokens=max(args.batch, 16),
                              max_model_len=args.context + 256, cudagraph="padded", attention=args.attention,
                              capture_sizes=(args.batch,))

@@ -17,7 +17,8 @@ import time
 import torch
 
 from fullgraph import FullGraphRunner, SeqChunk, plan_step
-from fullgraph.bench import _presets, replay_ms
+from fullgraph.bench import replay_ms
+from fullgraph.models import presets
 
 
 def timed(fn, iters: int, idle_s: float) -> tuple[float, float]:
@@ -46,7 +47,7 @@ def main() -> None:
     p.add_argument("--trace", default=None)
     p.add_argument("--out", default="step_timeline.json")
     args = p.parse_args()
-    model = _presets()[args.preset](dtype=torch.bfloat16, device=torch.device("cuda"), seed=0)
+    model = presets.build(args.preset, dtype=torch.bfloat16, device=torch.device("cuda"), seed=0)
     runner = FullGraphRunner(model, max_num_seqs=args.batch, max_num_tokens=max(args.batch, 16),
                              max_model_len=args.context + 256, cudagraph="full", attention=args.attention,
                              capture_sizes=(args.batch,))

@@ -48,10 +48,7 @@ def doctor(args: argparse.Namespace) -> int:
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    builders = {"toy": lambda: models.Llama(models.LlamaConfig.toy(), dtype=dtype, device=device),
-                "phi3-toy": lambda: models.Phi3Small(models.Phi3SmallConfig.toy(), dtype=dtype, device=device),
-                "llama-1b": lambda: models.Llama(models.LlamaConfig.llama_1b(), dtype=dtype, device=device)}
-    model = builders[args.preset]()
+    model = models.presets.build(args.preset, dtype=dtype, device=device)
     runner = FullGraphRunner(model, max_num_seqs=8, max_num_tokens=128, max_model_len=512, cudagraph="none",
                              attention=args.attention)
     gen = torch.Generator().manual_seed(0)
@@ -80,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bf16", action="store_true", help="bf16 weights on GPU (default float32)")
     d = sub.add_parser("doctor", help="find where eager / padded / graph / compiled outputs diverge")
-    d.add_argument("--preset", default="toy", choices=["toy", "phi3-toy", "llama-1b"])
+    d.add_argument("--preset", default="toy", choices=models.presets.names())
     d.add_argument("--attention", default="auto")
     d.add_argument("--modes", nargs="+", default=["none", "padded", "full", "compile"])
     d.add_argument("--bf16", action="store_true")

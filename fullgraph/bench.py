@@ -18,19 +18,9 @@ import time
 import numpy as np
 import torch
 
-from . import FullGraphRunner, RunnerConfig, SeqChunk, models, padding, plan_step
+from . import FullGraphRunner, RunnerConfig, SeqChunk, padding, plan_step
+from .models import presets
 from .generate import decode_overlapped
-
-
-def _presets() -> dict:
-    out = {"toy": lambda **kw: models.Llama(models.LlamaConfig.toy(), **kw),
-           "llama-1b": lambda **kw: models.Llama(models.LlamaConfig.llama_1b(), **kw)}
-    if hasattr(models, "Phi3Small"):
-        out["phi3-small-8k"] = lambda **kw: models.Phi3Small(models.Phi3SmallConfig.phi3_small_8k(), **kw)
-        out["phi3-small-128k"] = lambda **kw: models.Phi3Small(models.Phi3SmallConfig.phi3_small_128k(), **kw)
-        out["phi3-small-8k-dense"] = lambda **kw: models.Phi3Small(
-            dataclasses.replace(models.Phi3SmallConfig.phi3_small_8k(), dense_attention_every_n_layers=1), **kw)
-    return out
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -51,14 +41,11 @@ def copy_bandwidth(device: torch.device) -> float:
 
 
 def weight_bytes_read(model: torch.nn.Module) -> int:
-    """Bytes of weights one decode step reads: every parameter except the embedding table,
-    which only contributes a few rows (unless tied, when it is the LM head and is read whole)."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    embed = getattr(model, "embed_tokens", None)
-    tied = getattr(model, "lm_head", None) is None
-    if embed is not None and not tied:
-        total -= embed.weight.numel() * embed.weight.element_size()
-    return total
+    """Bytes of weights one decode step reads (the model's ``step_weight_bytes`` where it has one,
+    else every parameter)."""
+    if hasattr(model, "step_weight_bytes"):
+        return int(model.step_weight_bytes())
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def _sync(device):
@@ -145,7 +132,7 @@ def isolated_replay_ms(runner: FullGraphRunner, key, iters: int = 30) -> tuple[f
 def bench_decode(args) -> list[dict]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    model = _presets()[args.preset](dtype=dtype, device=device, seed=0)
+    model = presets.build(args.preset, dtype=dtype, device=device, seed=0)
     bandwidth = copy_bandwidth(device)
     w_bytes = weight_bytes_read(model)
     rows = []
@@ -201,7 +188,7 @@ def _decode_rows(args, model, device, w_bytes, bandwidth, context, batch, mode) 
 
 def bench_capture(args) -> list[dict]:
     device = torch.device("cuda")
-    model = _presets()[args.preset](dtype=torch.bfloat16, device=device, seed=0)
+    model = presets.build(args.preset, dtype=torch.bfloat16, device=device, seed=0)
     runner = FullGraphRunner(model, RunnerConfig(cudagraph="full", attention=args.attention, compile=args.compile))
     report = runner.capture()
     row = {"preset": args.preset, "attention": runner.config.attention, "graphs": report.num_graphs,
@@ -218,7 +205,7 @@ def bench_compile(args) -> list[dict]:
     Inductor's on-disk caches save on the second start."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    model = _presets()[args.preset](dtype=torch.bfloat16 if cuda else torch.float32, device=device, seed=0)
+    model = presets.build(args.preset, dtype=torch.bfloat16 if cuda else torch.float32, device=device, seed=0)
     runner = FullGraphRunner(model, max_num_seqs=1, max_num_tokens=16, max_model_len=2304,
                              cudagraph="full" if cuda else "padded", capture_sizes=(1,), compile=True)
     start = time.perf_counter()
@@ -266,7 +253,7 @@ def bench_host(args) -> list[dict]:
     """
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    model = _presets()[args.preset](dtype=torch.bfloat16 if cuda else torch.float32, device=device, seed=0)
+    model = presets.build(args.preset, dtype=torch.bfloat16 if cuda else torch.float32, device=device, seed=0)
     max_batch, bs = max(args.batch), 16
     runner = FullGraphRunner(model, max_num_seqs=max_batch, max_num_tokens=max(max_batch, 16),
                              max_model_len=-(-(args.blocks * bs + 1) // 256) * 256, block_size=bs,
@@ -318,11 +305,12 @@ def _table(rows: list[dict], cols: list[str]) -> None:
         print(" | ".join(fmt(r[c]).rjust(w) for c, w in zip(cols, widths)))
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, attention=None) -> None:
+    """The CLI; ``attention``: an ``AttentionBackend`` class to use instead of ``--attention``'s name."""
     parser = argparse.ArgumentParser(prog="python -m fullgraph.bench")
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("decode", help="decode-step latency per mode, against the bandwidth floor")
-    d.add_argument("--preset", default="toy", choices=sorted(_presets()))
+    d.add_argument("--preset", default="toy", choices=presets.names())
     d.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     d.add_argument("--context", type=int, nargs="+", default=[1024])
     d.add_argument("--modes", nargs="+", default=["none", "padded", "full"])
@@ -336,28 +324,30 @@ def main(argv: list[str] | None = None) -> None:
                         "step's tokens are read (ids handed over on the device), step_ms is then the time "
                         "between two steps' tokens")
     c = sub.add_parser("capture", help="capture every default size (CUDA)")
-    c.add_argument("--preset", default="llama-1b", choices=sorted(_presets()))
+    c.add_argument("--preset", default="llama-1b", choices=presets.names())
     c.add_argument("--attention", default="auto")
     c.add_argument("--compile", action="store_true")
     k = sub.add_parser("compile", help="compile time of a compile=True runner (run twice: first and cached)")
-    k.add_argument("--preset", default="toy", choices=sorted(_presets()))
+    k.add_argument("--preset", default="toy", choices=presets.names())
     sub.add_parser("plan", help="host planning cost of decode batches")
     h = sub.add_parser("host", help="host cost of a decode step: plan, copy_in, everything before the launch")
-    h.add_argument("--preset", default="toy", choices=sorted(_presets()))
+    h.add_argument("--preset", default="toy", choices=presets.names())
     h.add_argument("--attention", default="auto")
     h.add_argument("--batch", type=int, nargs="+", default=[1, 32, 256])
     h.add_argument("--blocks", type=int, default=68, help="KV pages passed per chunk")
     h.add_argument("--iters", type=int, default=400)
     for p in (d, c, k, sub.choices["plan"], h):
-        p.add_argument("--out", default=None, help="JSON output path")
+        p.add_argument("--out", default=None, help="write the rows as JSON to this path (default: print only)")
     args = parser.parse_args(argv)
+    if attention is not None:
+        args.attention = attention
     rows = {"decode": bench_decode, "capture": bench_capture, "compile": bench_compile, "plan": bench_plan,
             "host": bench_host}[args.command](args)
-    out = args.out or f"bench_{args.command}.json"
-    with open(out, "w") as f:
-        json.dump({"command": args.command, "device": torch.cuda.get_device_name() if torch.cuda.is_available()
-                   else "cpu", "torch": torch.__version__, "rows": rows}, f, indent=1)
-    print(f"wrote {out}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"command": args.command, "device": torch.cuda.get_device_name() if torch.cuda.is_available()
+                       else "cpu", "torch": torch.__version__, "rows": rows}, f, indent=1)
+        print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

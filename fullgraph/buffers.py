@@ -1,68 +1,78 @@
-"""StaticBuffers: the persistent, max-size device buffers a captured graph reads.
+"""StaticBuffers: the persistent, max-size device buffers a captured graph reads and writes.
 
-Allocated once; their addresses never change (a graph replays raw pointers). Every step input lives
-in one byte buffer, mirrored by one pinned host staging area, so a step costs one host-to-device
-copy: the planner writes the padded plan straight into the staging area (``staging``), and
-``upload`` sends it. On a CPU device the staging area *is* the buffer.
+Allocated once; their addresses never change (a graph replays raw pointers). Every step field of
+the runner's table (``fullgraph.fields``) lives in one byte buffer, mirrored by one pinned host
+staging area, so a step costs one host-to-device copy: the planner writes the padded plan
+straight into the staging area (``staging``), and ``upload`` sends it. On a CPU device the staging
+area *is* the buffer. The step's outputs (logits, sampled ids, ...) are buffers of their own.
+Backends' workspaces are registered here too, so poisoning and the address guard cover them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
 
 import numpy as np
 import torch
 
 from .config import RunnerConfig
-from .plan import StepPlan, array_shapes
+from .fields import FieldTable, StepPlan
 
-_TORCH = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
-
-
-@dataclass
-class BufferViews:
-    """Views of the static buffers sized to one bucket (T tokens, R requests)."""
-
-    input_ids: torch.Tensor        # (T,)
-    positions: torch.Tensor        # (T,)
-    slot_mapping: torch.Tensor     # (T,)
-    logits_indices: torch.Tensor   # (R,)
-    query_start_loc: torch.Tensor  # (R + 1,)
-    seq_start_loc: torch.Tensor    # (R + 1,)
-    seq_lens: torch.Tensor         # (R,)
-    block_table: torch.Tensor      # (R, MB)
-    logits: torch.Tensor           # (R, vocab) float32, the graph's output
+_TORCH = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
+          np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64}
+_SIZES = ("token", "request", "request+1", "request_blocks", "step")
 
 
-def _layout(config: RunnerConfig) -> tuple[dict[str, tuple[slice, tuple[int, ...], np.dtype]], int]:
-    """field -> (bytes, shape, dtype) in the one buffer, and its size in bytes. The int64 fields
-    come first, so every field is aligned to its element size."""
-    shapes = array_shapes(config.max_num_tokens, config.max_num_seqs, config.max_blocks_per_seq)
+def _layout(fields: FieldTable, config: RunnerConfig) -> tuple[dict[str, tuple[slice, tuple[int, ...], np.dtype]], int]:
+    """field -> (bytes, shape, dtype) in the one buffer, and its size in bytes. Wider elements come
+    first, so every field is aligned to its element size."""
+    shapes = fields.shapes(config.max_num_tokens, config.max_num_seqs, config.max_blocks_per_seq)
     out, offset = {}, 0
-    for name, (shape, dtype) in sorted(shapes.items(), key=lambda item: -np.dtype(item[1][1]).itemsize):
-        dtype = np.dtype(dtype)
+    for name, (shape, dtype) in sorted(shapes.items(), key=lambda item: -item[1][1].itemsize):
         end = offset + int(np.prod(shape)) * dtype.itemsize
         out[name], offset = (slice(offset, end), shape, dtype), end
     return out, offset
 
 
 class StaticBuffers:
-    """Max-size step inputs and the logits output, at fixed addresses on ``device``."""
+    """Max-size step fields and outputs, at fixed addresses on ``device``.
 
-    def __init__(self, config: RunnerConfig, vocab_size: int, device: torch.device) -> None:
-        self.config, self.device = config, torch.device(device)
-        layout, nbytes = _layout(config)
+    Args:
+        config: the limits every buffer is sized from.
+        fields: the step fields (one buffer each, in the shared byte buffer).
+        outputs: name -> (per-request shape, torch dtype) of each step output, e.g.
+            ``{"logits": ((vocab,), torch.float32)}``; buffers of ``(max_num_seqs, *shape)``.
+        device: where the buffers live.
+    """
+
+    def __init__(self, config: RunnerConfig, fields: FieldTable, outputs: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+                 device: torch.device) -> None:
+        self.config, self.fields, self.device = config, fields, torch.device(device)
+        layout, nbytes = _layout(fields, config)
         on_cuda = self.device.type == "cuda"
         self._dev = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
         self._host = torch.zeros(nbytes, dtype=torch.uint8).pin_memory() if on_cuda else self._dev
         host = self._host.numpy()
         self.tensors = {name: self._dev[b].view(_TORCH[dt]).view(shape) for name, (b, shape, dt) in layout.items()}
         self._staging = {name: host[b].view(dt).reshape(shape) for name, (b, shape, dt) in layout.items()}
-        self.logits = torch.zeros(config.max_num_seqs, vocab_size, dtype=torch.float32, device=self.device)
-        self._logits_rows = [self.logits[:n] for n in range(config.max_num_seqs + 1)]  # slicing costs ~1 us a step
+        self.outputs = {name: torch.zeros(config.max_num_seqs, *shape, dtype=dtype, device=self.device)
+                        for name, (shape, dtype) in outputs.items()}
+        # slicing costs ~1 us a step: every output's first n rows, made once
+        self._rows = {name: [t[:n] for n in range(config.max_num_seqs + 1)] for name, t in self.outputs.items()}
+        self.workspaces: dict[str, torch.Tensor] = {}
         self._copied = torch.cuda.Event() if on_cuda else None
         if on_cuda:
             self._device_index = torch.cuda.current_device() if self.device.index is None else self.device.index
             self._stream_key, self._stream = None, None
+
+    @property
+    def logits(self) -> torch.Tensor:
+        return self.outputs["logits"]
+
+    def add_workspaces(self, owner: str, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Register device tensors a backend's kernels write before they read them (split-KV
+        partials, ...), as ``owner.name``: validate mode poisons them, the address guard checks them."""
+        for name, t in tensors.items():
+            self.workspaces[f"{owner}.{name}"] = t
 
     def staging(self) -> dict[str, np.ndarray]:
         """The max-size host arrays ``upload`` sends (``plan_step``'s ``out``), once the previous
@@ -83,7 +93,9 @@ class StaticBuffers:
     def _current_stream(self) -> torch.cuda.Stream:
         """The stream the copy went to, rebuilt only when it changes: ``torch.cuda.current_stream()``
         spends ~4 us of host time building a Stream object on every call."""
-        key = torch._C._cuda_getCurrentStream(self._device_index)
+        from ._compat import current_stream_key
+
+        key = current_stream_key(self._device_index)
         if key != self._stream_key:
             self._stream_key, self._stream = key, torch.cuda.current_stream(self._device_index)
         return self._stream
@@ -94,33 +106,43 @@ class StaticBuffers:
         if t > self.config.max_num_tokens or r > self.config.max_num_seqs:
             raise ValueError(f"plan of {t} tokens / {r} requests exceeds the static buffers "
                              f"({self.config.max_num_tokens} / {self.config.max_num_seqs})")
+        missing = set(self.fields) - set(plan.arrays)
+        if missing:
+            raise ValueError(f"plan lacks the step fields {sorted(missing)} these buffers hold")
         for name, staging in self.staging().items():
-            src = getattr(plan, name)
+            src = plan.arrays[name]
             staging[: len(src)] = src
         self.upload()
 
-    def logits_copy(self, num_reqs: int) -> torch.Tensor:
-        """The first ``num_reqs`` rows of the logits, as a tensor of the caller's own."""
-        return self._logits_rows[num_reqs].clone()
+    def output_copy(self, name: str, num_reqs: int) -> torch.Tensor:
+        """The first ``num_reqs`` rows of an output, as a tensor of the caller's own."""
+        return self._rows[name][num_reqs].clone()
 
-    def views(self, num_tokens: int, num_reqs: int) -> BufferViews:
-        b = self.tensors
-        return BufferViews(
-            input_ids=b["input_ids"][:num_tokens], positions=b["positions"][:num_tokens],
-            slot_mapping=b["slot_mapping"][:num_tokens], logits_indices=b["logits_indices"][:num_reqs],
-            query_start_loc=b["query_start_loc"][: num_reqs + 1], seq_start_loc=b["seq_start_loc"][: num_reqs + 1],
-            seq_lens=b["seq_lens"][:num_reqs], block_table=b["block_table"][:num_reqs], logits=self.logits[:num_reqs])
+    def logits_copy(self, num_reqs: int) -> torch.Tensor:
+        return self.output_copy("logits", num_reqs)
+
+    def views(self, num_tokens: int, num_reqs: int) -> dict[str, torch.Tensor]:
+        """Every step field sized to one bucket (T tokens, R requests): the model step's inputs."""
+        sizes = dict(zip(_SIZES, (num_tokens, num_reqs, num_reqs + 1, num_reqs, 1)))
+        return {name: self.tensors[name][: sizes[f.axis]] for name, f in self.fields.items()}
+
+    def output_views(self, num_reqs: int) -> dict[str, torch.Tensor]:
+        return {name: rows[num_reqs] for name, rows in self._rows.items()}
 
     def poison(self, num_tokens: int, num_reqs: int, garbage: int) -> None:
-        """Strict mode: garbage past the bucket (T tokens, R requests) and NaN logits, so a kernel
-        reading past its bucket or a real row left unwritten shows. Call after ``upload``."""
-        for name, buf in self.tensors.items():
-            start = num_tokens if name in ("input_ids", "positions", "slot_mapping") else num_reqs
-            buf[start + (name in ("query_start_loc", "seq_start_loc")):] = garbage
-        self.logits.fill_(float("nan"))
+        """Validate mode: garbage past the bucket (T tokens, R requests) in every field, NaN in the
+        float outputs and workspaces (-1 in int outputs), so a kernel reading past its bucket or a
+        real row left unwritten shows. Call after ``upload``."""
+        sizes = dict(zip(_SIZES, (num_tokens, num_reqs, num_reqs + 1, num_reqs, 1)))
+        for name, f in self.fields.items():
+            buf = self.tensors[name]
+            buf[sizes[f.axis]:] = garbage if buf.dtype in (torch.int32, torch.int64) else float("nan")
+        for t in (*self.outputs.values(), *self.workspaces.values()):
+            t.fill_(float("nan") if t.is_floating_point() else -1)
 
     def addresses(self) -> dict[str, int]:
         """Data pointers of every buffer (for the capture-time address guard)."""
         out = {name: t.data_ptr() for name, t in self.tensors.items()}
-        out["logits"] = self.logits.data_ptr()
+        out.update({name: t.data_ptr() for name, t in self.outputs.items()})
+        out.update({name: t.data_ptr() for name, t in self.workspaces.items()})
         return out

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import _compat
+
 logger = logging.getLogger("fullgraph")
 
 
@@ -58,8 +60,7 @@ class CompiledStep:
         self._compiled = torch.compile(self._fn, fullgraph=True, dynamic=True, backend=self._backend)
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs):
-        from torch._inductor.compile_fx import compile_fx
-
+        compile_fx = _compat.inductor_compile_fx()
         self.stats.graphs += 1
         if self._warm:
             self.stats.recompiles_after_warmup += 1
@@ -72,12 +73,11 @@ class CompiledStep:
     def __call__(self, *args):
         before = self.stats.graphs
         start = time.perf_counter()
-        guard = torch._dynamo.config.patch(error_on_recompile=True) if self._warm and self.strict \
-            else contextlib.nullcontext()
+        guard = _compat.error_on_recompile() if self._warm and self.strict else contextlib.nullcontext()
         try:
             with guard:
                 out = self._compiled(*args)
-        except torch._dynamo.exc.RecompileError as err:
+        except _compat.dynamo_recompile_error() as err:
             raise RecompileError(f"fullgraph: the compiled step recompiled after warm-up: {err}") from err
         if self.stats.graphs != before:
             self.stats.seconds += time.perf_counter() - start
@@ -88,7 +88,5 @@ class CompiledStep:
         return out
 
     def _last_guard_failure(self) -> str:
-        failures = getattr(torch._dynamo.utils, "guard_failures", {})
         code = self._fn.__func__.__code__ if inspect.ismethod(self._fn) else self._fn.__code__
-        reasons = failures.get(code) or []
-        return str(reasons[-1]) if reasons else "unknown (run with TORCH_LOGS=recompiles)"
+        return _compat.last_guard_failure(code) or "unknown (run with TORCH_LOGS=recompiles)"

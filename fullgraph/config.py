@@ -3,13 +3,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from dataclasses import dataclass
+from typing import Any
+
+from . import env
 
 CUDAGRAPH_MODES = ("none", "padded", "full")
-# Read once, when a runner resolves its config: forces a mode without code changes.
-ENV_CUDAGRAPH = "FULLGRAPH_CUDAGRAPH"
-ENV_COMPILE = "FULLGRAPH_COMPILE"
 
 
 def default_capture_sizes(max_size: int, max_num_seqs: int) -> tuple[int, ...]:
@@ -39,7 +38,9 @@ class RunnerConfig:
             ``max_num_seqs`` requests at ``max_model_len`` (resolved by the runner).
         cudagraph: "none" (eager, unpadded), "padded" (eager on the padded static buffers),
             "full" (CUDA graphs), or "auto" (full on CUDA, padded elsewhere).
-        attention: dense attention backend name ("sdpa", "triton", "flash", or "auto").
+        attention: the dense attention backend: a registered name ("sdpa", "triton", "flash",
+            or "auto": the fastest that serves every step here), or an ``AttentionBackend``
+            subclass (registered or not).
         capture_sizes: token-count buckets to pad to and capture; ``None`` -> the default schedule
             up to ``max_capture_size``. ``max_num_seqs`` is added when it fits, so every decode
             batch has a bucket; steps above the largest size run padded-eager.
@@ -55,7 +56,7 @@ class RunnerConfig:
     block_size: int = 16
     num_blocks: int | None = None
     cudagraph: str = "auto"
-    attention: str = "auto"
+    attention: Any = "auto"  # str | type[AttentionBackend]
     capture_sizes: tuple[int, ...] | None = None
     max_capture_size: int | None = None
     validate: bool = False
@@ -113,28 +114,35 @@ class RunnerConfig:
             sizes.add(self.max_num_seqs)
         return tuple(sorted(sizes))
 
+    def padded_num_reqs(self, num_tokens_padded: int) -> int:
+        """Requests a step padded to ``num_tokens_padded`` tokens is laid out for: the bucket
+        itself, capped at ``max_num_seqs`` (every request brings a token, so no step of that bucket
+        has more). The one place this rule lives: planner, capture and runner all ask here."""
+        return min(num_tokens_padded, self.max_num_seqs)
+
     def replace(self, **changes) -> RunnerConfig:
         return dataclasses.replace(self, **changes)
 
 
 def resolve_mode(config: RunnerConfig, cuda_available: bool) -> RunnerConfig:
-    """Apply the environment overrides (read here, once) and resolve "auto"."""
+    """Apply the environment overrides (``fullgraph.env``, read here, once) and resolve "auto"."""
     changes: dict = {}
-    env_mode = os.environ.get(ENV_CUDAGRAPH)
+    env_mode = env.cudagraph_override()
     if env_mode:
         if env_mode not in CUDAGRAPH_MODES:
-            raise ValueError(f"{ENV_CUDAGRAPH}={env_mode!r}: expected one of {CUDAGRAPH_MODES}")
+            raise ValueError(f"{env.CUDAGRAPH}={env_mode!r}: expected one of {CUDAGRAPH_MODES}")
         changes["cudagraph"] = env_mode
-    env_compile = os.environ.get(ENV_COMPILE)
+    env_compile = env.compile_override()
     if env_compile:
         if env_compile not in ("0", "1"):
-            raise ValueError(f"{ENV_COMPILE}={env_compile!r}: expected 0 or 1")
+            raise ValueError(f"{env.COMPILE}={env_compile!r}: expected 0 or 1")
         changes["compile"] = env_compile == "1"
     mode = changes.get("cudagraph", config.cudagraph)
     if mode == "auto":
         changes["cudagraph"] = "full" if cuda_available else "padded"
     elif mode == "full" and not cuda_available:
+        source = f"{env.CUDAGRAPH}=full in the environment" if env_mode else 'cudagraph="full"'
         raise ValueError(
-            'cudagraph="full" needs a CUDA device (the model is not on one); use cudagraph="padded" '
-            "to run the same padded static buffers eagerly, or \"none\" for plain eager")
+            f"{source} needs a CUDA device, and the model is not on one (there is nothing to capture on "
+            'a CPU); use "padded" to run the same padded static buffers eagerly, or "none" for plain eager')
     return config.replace(**changes) if changes else config

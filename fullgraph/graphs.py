@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels import ahead
+from .kernels import compile_ahead
 
 logger = logging.getLogger("fullgraph")
 
@@ -25,7 +25,7 @@ class CaptureReport:
     warmup_seconds: float = 0.0       # eager runs before each capture (serial Triton JIT happens here)
     record_seconds: float = 0.0       # running the step under stream capture
     instantiate_seconds: float = 0.0  # ending each capture: instantiating its graph
-    compile_seconds: float = 0.0      # compiling every key's Triton kernels ahead, in parallel (kernels.ahead)
+    compile_seconds: float = 0.0      # compiling every key's Triton kernels ahead, in parallel (kernels.compile_ahead)
 
     def __str__(self) -> str:
         return (f"captured {self.num_graphs} graphs in {self.seconds:.2f} s (Triton kernels compiled ahead "
@@ -42,7 +42,7 @@ class GraphSet:
     """The captured graphs of one runner, keyed by ``GraphKey``.
 
     ``capture`` first runs ``prepare(key)`` (fills the static buffers with a capture plan) and
-    ``run(key)`` for every key under ``kernels.ahead.compile_ahead``, so the Triton variants of all
+    ``run(key)`` for every key under ``kernels.compile_ahead.compile_ahead``, so the Triton variants of all
     keys compile in parallel; then, key by key, ``prepare``, ``run`` eagerly ``warmups`` times
     outside capture, and once under stream capture on a side stream into the shared pool. Garbage collection is
     off during capture so no tensor is freed (or its memory reused) mid-capture.
@@ -70,7 +70,7 @@ class GraphSet:
         gc.disable()
         phases = [0.0, 0.0, 0.0]  # warm-up, recording, instantiation
         try:
-            compiled = ahead.compile_runs((lambda k=k: (prepare(k), run(k))) for k in keys)
+            compiled = compile_ahead.compile_runs((lambda k=k: (prepare(k), run(k))) for k in keys)
             for i, key in enumerate(keys):
                 t0 = time.perf_counter()
                 prepare(key)

@@ -11,16 +11,17 @@ keeps a ``BlockIdCache``: the previous step's block ids, so an unchanged list is
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import itertools
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from .block_ids import BlockIdCache, flatten_ids
 from .config import RunnerConfig
-from .padding import REPEAT_LAST, PaddingPolicy
+from .fields import CORE_FIELDS, REPEAT_LAST, FieldTable, StepPlan
+from .padding import PaddingPolicy
 
 _FEW = 4  # up to this many decode chunks, per-chunk slices and Python ints beat building index arrays
 
@@ -43,52 +44,10 @@ class SeqChunk:
     request_id: Hashable | None = None
 
 
-@dataclass(frozen=True, eq=False)
-class StepPlan:
-    """Host arrays of one step, padded to its bucket (see ``padding.check`` for the invariants).
-
-    Shapes: T = num_tokens_padded, R = num_reqs_padded, MB = config.max_blocks_per_seq.
-    """
-
-    input_ids: np.ndarray        # (T,) int64
-    positions: np.ndarray        # (T,) int64
-    query_start_loc: np.ndarray  # (R + 1,) int32
-    seq_start_loc: np.ndarray    # (R + 1,) int32
-    seq_lens: np.ndarray         # (R,) int32
-    block_table: np.ndarray      # (R, MB) int32
-    slot_mapping: np.ndarray     # (T,) int64, -1 = write nothing
-    logits_indices: np.ndarray   # (R,) int64: each chunk's last token
-    num_reqs: int
-    num_tokens: int
-    num_reqs_padded: int
-    num_tokens_padded: int
-    decode_only: bool            # every chunk has exactly one token
-    max_query_len: int           # of the real chunks (host-side information, for eager runs)
-    max_seq_len: int
-    block_size: int
-    num_blocks: int
-
-    @property
-    def key(self) -> tuple[int, bool]:
-        """The graph key: (padded token count, decode-only)."""
-        return self.num_tokens_padded, self.decode_only
-
-    @classmethod
-    def _make(cls, **fields) -> StepPlan:
-        """The planner's constructor: every field, set at once (a frozen dataclass's ``__init__``
-        calls ``object.__setattr__`` once a field, ~2 us a step for these 17)."""
-        plan = object.__new__(cls)
-        plan.__dict__.update(fields)
-        return plan
-
-
-def array_shapes(num_tokens: int, num_reqs: int, max_blocks_per_seq: int) -> dict[str, tuple[tuple[int, ...], type]]:
-    """Shape and dtype of each StepPlan array for T tokens and R requests (the static buffers hold the maxima)."""
-    t, r = num_tokens, num_reqs
-    return {"input_ids": ((t,), np.int64), "positions": ((t,), np.int64), "slot_mapping": ((t,), np.int64),
-            "logits_indices": ((r,), np.int64), "query_start_loc": ((r + 1,), np.int32),
-            "seq_start_loc": ((r + 1,), np.int32), "seq_lens": ((r,), np.int32),
-            "block_table": ((r, max_blocks_per_seq), np.int32)}
+def array_shapes(num_tokens: int, num_reqs: int, max_blocks_per_seq: int,
+                 fields: FieldTable = CORE_FIELDS) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Shape and dtype of each plan array for T tokens and R requests (the static buffers hold the maxima)."""
+    return fields.shapes(num_tokens, num_reqs, max_blocks_per_seq)
 
 
 def _who(chunks: Sequence[SeqChunk], i: int) -> str:
@@ -135,9 +94,24 @@ def _gather(chunks: Sequence[SeqChunk], tok_lists: list[Sequence[int]], q_list: 
     return q_lens, starts, ends, n_blocks, tokens, blocks, max_seq_len
 
 
-def _plan_decode(chunks: Sequence[SeqChunk], tok_lists: list[Sequence[int]], config: RunnerConfig,
-                 policy: PaddingPolicy, pad: bool, num_blocks: int, vocab_size: int | None,
-                 out: Mapping[str, np.ndarray] | None, cache: BlockIdCache | None) -> StepPlan:
+class Target(NamedTuple):
+    """Where and how a plan is laid out: its field table, padding policy, caller values for the
+    fields the caller fills (field -> one value per chunk), and the arrays to write (or None: new
+    ones). A tuple, so a runner builds one per step for next to nothing."""
+
+    fields: FieldTable
+    policy: PaddingPolicy
+    values: Mapping[str, Sequence] | None
+    out: Mapping[str, np.ndarray] | None
+
+    def arrays(self, t_pad: int, r_pad: int, config: RunnerConfig) -> Mapping[str, np.ndarray]:
+        if self.out is not None:
+            return self.out
+        return self.fields.new_arrays(t_pad, r_pad, config.max_blocks_per_seq)
+
+
+def _plan_decode(chunks: Sequence[SeqChunk], tok_lists: list[Sequence[int]], config: RunnerConfig, target: Target,
+                 pad: bool, num_blocks: int, vocab_size: int | None, cache: BlockIdCache | None) -> StepPlan:
     """``plan_step`` of a decode-only step (every chunk has one token, so token i is chunk i's):
     the same checks and arrays, with each chunk's position and page found once."""
     n, bs = len(chunks), config.block_size
@@ -159,21 +133,21 @@ def _plan_decode(chunks: Sequence[SeqChunk], tok_lists: list[Sequence[int]], con
                  tokens, blocks)
     if cache is not None:
         cache.commit()
-    t_pad, r_pad = _padded_sizes(n, config, pad)
-    r_pad = n if r_pad is None else r_pad
-    return _layout_decode(starts, start_list, pages, tokens, blocks, table, nb_list, max_seq_len, config, policy,
-                          t_pad, r_pad, num_blocks, out or _new_arrays(t_pad, r_pad, config))
+    t_pad, r_pad = _padded_sizes(n, n, config, pad)
+    return _layout_decode(starts, start_list, pages, tokens, blocks, table, nb_list, max_seq_len, config, target,
+                          t_pad, r_pad, num_blocks)
 
 
 def _layout_decode(starts, start_list: list[int], pages: list[int], tokens, blocks, table, nb_list: list[int],
-                   max_seq_len: int, config: RunnerConfig, policy: PaddingPolicy, t_pad: int, r_pad: int,
-                   num_blocks: int, out: Mapping[str, np.ndarray]) -> StepPlan:
+                   max_seq_len: int, config: RunnerConfig, target: Target, t_pad: int, r_pad: int,
+                   num_blocks: int) -> StepPlan:
     """``_layout`` of a checked decode step: each chunk's one token sits at its ``start_pos``.
     ``table``: the real rows of the block table, ready (from a ``BlockIdCache``), or None."""
     n, bs = len(start_list), config.block_size
-    input_ids, positions, slots = out["input_ids"][:t_pad], out["positions"][:t_pad], out["slot_mapping"][:t_pad]
-    qsl, ssl, seq_lens = out["query_start_loc"][: r_pad + 1], out["seq_start_loc"][: r_pad + 1], out["seq_lens"][:r_pad]
-    block_table, logits_indices = out["block_table"][:r_pad], out["logits_indices"][:r_pad]
+    arrays = _views(target.arrays(t_pad, r_pad, config), target.fields, t_pad, r_pad)
+    input_ids, positions, slots = arrays["input_ids"], arrays["positions"], arrays["slot_mapping"]
+    qsl, ssl, seq_lens = arrays["query_start_loc"], arrays["seq_start_loc"], arrays["seq_lens"]
+    block_table, logits_indices = arrays["block_table"], arrays["logits_indices"]
 
     input_ids[:n] = tokens
     positions[:n] = starts
@@ -198,12 +172,32 @@ def _layout_decode(starts, start_list: list[int], pages: list[int], tokens, bloc
     else:
         page = starts // bs
         slots[:n] = (block_table[rows[:n], page] - page) * bs + starts  # block * bs + offset, in int64
-    _pad_tails(policy, input_ids, positions, slots, qsl, ssl, seq_lens, block_table, logits_indices, n, n)
-    return StepPlan._make(
-        input_ids=input_ids, positions=positions, query_start_loc=qsl, seq_start_loc=ssl,
-        seq_lens=seq_lens, block_table=block_table, slot_mapping=slots, logits_indices=logits_indices,
-        num_reqs=n, num_tokens=n, num_reqs_padded=r_pad, num_tokens_padded=t_pad,
-        decode_only=True, max_query_len=1, max_seq_len=max_seq_len, block_size=bs, num_blocks=num_blocks)
+    _finish(arrays, target, n, n)
+    return StepPlan.make(target.fields, arrays, num_reqs=n, num_tokens=n, num_reqs_padded=r_pad,
+                         num_tokens_padded=t_pad, decode_only=True, max_query_len=1, max_seq_len=max_seq_len,
+                         block_size=bs, num_blocks=num_blocks)
+
+
+def _views(out: Mapping[str, np.ndarray], fields: FieldTable, t_pad: int, r_pad: int) -> dict[str, np.ndarray]:
+    """Each field's array sized to the padded step (views of ``out``, which may be larger)."""
+    sizes = {"token": t_pad, "request": r_pad, "request+1": r_pad + 1, "request_blocks": r_pad, "step": 1}
+    return {name: out[name][: sizes[f.axis]] for name, f in fields.items()}
+
+
+def _finish(arrays: Mapping[str, np.ndarray], target: Target, nt: int, nr: int) -> None:
+    """The real rows of the fields a caller or backend fills (given values or defaults), then every
+    padded tail past ``nt`` tokens and ``nr`` requests (none where the step fills its bucket)."""
+    values = target.values or {}
+    for f in target.fields.filled:
+        given = values.get(f.name)
+        arrays[f.name][: f.real_rows(nt, nr)] = f.default if given is None else given
+    tails = target.policy.tails
+    for name, f in target.fields.items():
+        arr = arrays[name]
+        start = f.real_rows(nt, nr)
+        if start < len(arr) and f.axis != "step":
+            rule = tails.get(name, f.tail)
+            arr[start:] = arr[start - 1] if rule == REPEAT_LAST else rule
 
 
 def _in_range(values: np.ndarray, lo: int, hi: int) -> bool:
@@ -258,35 +252,37 @@ def _explain(chunks, config, num_blocks, vocab_size, q_lens, starts, n_blocks, t
     raise AssertionError("_explain found no problem the fast check reported")
 
 
-def _padded_sizes(num_tokens: int, config: RunnerConfig, pad: bool) -> tuple[int, int | None]:
+def _padded_sizes(num_tokens: int, num_reqs: int, config: RunnerConfig, pad: bool) -> tuple[int, int]:
+    """(tokens, requests) of the step as laid out: its bucket and ``config.padded_num_reqs`` of it
+    when ``pad`` (a step above every bucket keeps its own token count), else its own sizes."""
     if not pad:
-        return num_tokens, None
+        return num_tokens, num_reqs
     bucket = bucket_for(num_tokens, config.buckets)
     t_pad = num_tokens if bucket is None else bucket
-    return t_pad, min(t_pad, config.max_num_seqs)
-
-
-def _tail(rule, last) -> int:
-    return last if rule == REPEAT_LAST else rule
+    return t_pad, config.padded_num_reqs(t_pad)
 
 
 def plan_step(chunks: Sequence[SeqChunk], config: RunnerConfig, policy: PaddingPolicy, *,
               pad: bool = True, num_blocks: int | None = None, vocab_size: int | None = None,
-              out: Mapping[str, np.ndarray] | None = None) -> StepPlan:
+              out: Mapping[str, np.ndarray] | None = None, fields: FieldTable | None = None,
+              values: Mapping[str, Sequence] | None = None) -> StepPlan:
     """Validate ``chunks`` and lay out one step, padded to its bucket with ``policy`` when ``pad``.
 
     ``num_blocks`` defaults to ``config.num_blocks`` (pass the resolved value when that is None).
     ``out``: arrays to write the plan into instead of new ones (a runner's staging area), each at
     least as large as ``array_shapes`` of the padded step; the plan's arrays are then views of them.
+    ``fields``: the step fields to lay out (default: ``policy.table``, the core fields and the
+    policy's own); ``values``: the real rows of fields whose ``source`` is "caller", one value per
+    chunk (unset: the field's default).
     Raises ``ValueError`` naming the chunk and field for any bad input, before anything is written.
     """
-    return plan_with_cache(chunks, config, policy, pad, num_blocks, vocab_size, out, None)
+    target = Target(fields or policy.table, policy, values, out)
+    return plan_with_cache(chunks, config, target, pad, num_blocks, vocab_size, None)
 
 
-def plan_with_cache(chunks: Sequence[SeqChunk], config: RunnerConfig, policy: PaddingPolicy, pad: bool,
-                    num_blocks: int | None, vocab_size: int | None, out: Mapping[str, np.ndarray] | None,
-                    cache: BlockIdCache | None) -> StepPlan:
-    """``plan_step`` (arguments in its order), for a runner that keeps a ``BlockIdCache`` across steps."""
+def plan_with_cache(chunks: Sequence[SeqChunk], config: RunnerConfig, target: Target, pad: bool,
+                    num_blocks: int | None, vocab_size: int | None, cache: BlockIdCache | None) -> StepPlan:
+    """``plan_step`` for a runner: its ``Target`` built once, and a ``BlockIdCache`` kept across steps."""
     num_blocks = num_blocks or config.num_blocks
     if num_blocks is None:
         raise ValueError("plan_step needs num_blocks: pass it, or use the runner's resolved config")
@@ -298,45 +294,42 @@ def plan_with_cache(chunks: Sequence[SeqChunk], config: RunnerConfig, policy: Pa
     tok_lists = [c.token_ids for c in chunks]
     q_list = list(map(len, tok_lists))
     if q_list.count(1) == n:
-        return _plan_decode(chunks, tok_lists, config, policy, pad, num_blocks, vocab_size, out, cache)
+        return _plan_decode(chunks, tok_lists, config, target, pad, num_blocks, vocab_size, cache)
     q_lens, starts, ends, n_blocks, tokens, blocks, max_seq_len = _gather(chunks, tok_lists, q_list, config,
                                                                           num_blocks, vocab_size)
-    t_pad, r_pad = _padded_sizes(len(tokens), config, pad)
-    r_pad = n if r_pad is None else r_pad
-    return _layout(q_lens, starts, ends, n_blocks, tokens, blocks, max_seq_len, config, policy, t_pad, r_pad,
-                   num_blocks, out or _new_arrays(t_pad, r_pad, config))
+    t_pad, r_pad = _padded_sizes(len(tokens), n, config, pad)
+    return _layout(q_lens, starts, ends, n_blocks, tokens, blocks, max_seq_len, config, target, t_pad, r_pad,
+                   num_blocks)
 
 
-def _new_arrays(num_tokens: int, num_reqs: int, config: RunnerConfig) -> dict[str, np.ndarray]:
-    return {name: np.empty(shape, dtype)
-            for name, (shape, dtype) in array_shapes(num_tokens, num_reqs, config.max_blocks_per_seq).items()}
-
-
-def capture_plan(config: RunnerConfig, policy: PaddingPolicy, num_blocks: int, num_tokens: int,
+def capture_plan(config: RunnerConfig, target: Target | PaddingPolicy, num_blocks: int, num_tokens: int,
                  decode_only: bool, num_reqs: int | None = None) -> StepPlan:
     """A plan to capture the graph of one key with: short sequences that read only the null block
     and write nothing (every slot -1), so capture neither depends on nor touches the cache.
     ``num_reqs`` (default: as many as the bucket pads to) spreads the tokens over that many."""
-    r = num_reqs or min(num_tokens, config.max_num_seqs)
-    q_lens = np.full(r, num_tokens // r, np.int64)
-    q_lens[: num_tokens % r] += 1
+    if isinstance(target, PaddingPolicy):
+        target = Target(target.table, target, None, None)
+    target = Target(target.fields, target.policy, target.values, None)  # fresh arrays, never the staging area
+    r_pad = config.padded_num_reqs(num_tokens) if num_reqs is None else num_reqs
+    q_lens = np.full(r_pad, num_tokens // r_pad, np.int64)
+    q_lens[: num_tokens % r_pad] += 1
     n_blocks = -(-q_lens // config.block_size)
     blocks = np.zeros(int(n_blocks.sum()), np.int64)
-    r_pad = min(num_tokens, config.max_num_seqs) if num_reqs is None else r
-    plan = _layout(None if r == num_tokens else q_lens, np.zeros(r, np.int64), q_lens, n_blocks,
-                   np.zeros(num_tokens, np.int64), blocks, int(q_lens.max()), config, policy, num_tokens, r_pad,
-                   num_blocks, _new_arrays(num_tokens, r_pad, config))
+    plan = _layout(None if r_pad == num_tokens else q_lens, np.zeros(r_pad, np.int64), q_lens, n_blocks,
+                   np.zeros(num_tokens, np.int64), blocks, int(q_lens.max()), config, target, num_tokens, r_pad,
+                   num_blocks)
     plan.slot_mapping[:] = -1
-    return dataclasses.replace(plan, decode_only=decode_only)
+    return plan.replace(decode_only=decode_only)
 
 
 def _layout(q_lens, starts, ends, n_blocks, tokens, blocks, max_seq_len: int, config: RunnerConfig,
-            policy: PaddingPolicy, t_pad: int, r_pad: int, num_blocks: int, out: Mapping[str, np.ndarray]) -> StepPlan:
-    """Write the padded step into ``out``. ``q_lens`` None: token i is chunk i's only token."""
+            target: Target, t_pad: int, r_pad: int, num_blocks: int) -> StepPlan:
+    """Write the padded step into the target's arrays. ``q_lens`` None: token i is chunk i's only token."""
     nr, nt, bs = len(starts), len(tokens), config.block_size
-    input_ids, positions, slots = out["input_ids"][:t_pad], out["positions"][:t_pad], out["slot_mapping"][:t_pad]
-    qsl, ssl, seq_lens = out["query_start_loc"][: r_pad + 1], out["seq_start_loc"][: r_pad + 1], out["seq_lens"][:r_pad]
-    block_table, logits_indices = out["block_table"][:r_pad], out["logits_indices"][:r_pad]
+    arrays = _views(target.arrays(t_pad, r_pad, config), target.fields, t_pad, r_pad)
+    input_ids, positions, slots = arrays["input_ids"], arrays["positions"], arrays["slot_mapping"]
+    qsl, ssl, seq_lens = arrays["query_start_loc"], arrays["seq_start_loc"], arrays["seq_lens"]
+    block_table, logits_indices = arrays["block_table"], arrays["logits_indices"]
 
     qsl[0] = ssl[0] = 0
     if q_lens is None:
@@ -358,26 +351,8 @@ def _layout(q_lens, starts, ends, n_blocks, tokens, blocks, max_seq_len: int, co
     page = positions[:nt] // bs
     slots[:nt] = (block_table[rows, page] - page) * bs + positions[:nt]  # block * bs + offset, in int64
 
-    _pad_tails(policy, input_ids, positions, slots, qsl, ssl, seq_lens, block_table, logits_indices, nt, nr)
-    return StepPlan._make(
-        input_ids=input_ids, positions=positions, query_start_loc=qsl, seq_start_loc=ssl,
-        seq_lens=seq_lens, block_table=block_table, slot_mapping=slots, logits_indices=logits_indices,
-        num_reqs=nr, num_tokens=nt, num_reqs_padded=r_pad, num_tokens_padded=t_pad,
-        decode_only=q_lens is None, max_query_len=1 if q_lens is None else int(q_lens.max()),
-        max_seq_len=max_seq_len, block_size=bs, num_blocks=num_blocks)
-
-
-def _pad_tails(policy: PaddingPolicy, input_ids, positions, slots, qsl, ssl, seq_lens, block_table, logits_indices,
-               nt: int, nr: int) -> None:
-    """Fill the padded tails past ``nt`` tokens and ``nr`` requests (none where the step fills its bucket)."""
-    tails = policy.tails
-    if nt < len(input_ids):
-        input_ids[nt:] = tails["input_ids"]
-        positions[nt:] = tails["positions"]
-        slots[nt:] = tails["slot_mapping"]
-    if nr < len(seq_lens):
-        qsl[nr + 1:] = _tail(tails["query_start_loc"], nt)
-        ssl[nr + 1:] = _tail(tails["seq_start_loc"], ssl[nr])
-        seq_lens[nr:] = _tail(tails["seq_lens"], 0)
-        block_table[nr:] = tails["block_table"]
-        logits_indices[nr:] = nt - 1
+    _finish(arrays, target, nt, nr)
+    return StepPlan.make(target.fields, arrays, num_reqs=nr, num_tokens=nt, num_reqs_padded=r_pad,
+                         num_tokens_padded=t_pad, decode_only=q_lens is None,
+                         max_query_len=1 if q_lens is None else int(q_lens.max()), max_seq_len=max_seq_len,
+                         block_size=bs, num_blocks=num_blocks)

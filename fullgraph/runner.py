@@ -3,25 +3,26 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from . import padding
-from .attention import AttentionMetadata
-from .attention.backends import AttentionBackend, BackendLimits, resolve_backends
+from . import _compat, padding
+from .attention import AttentionBackend, AttentionMetadata, BackendLimits
+from .attention.backends import resolve_backends
 from .block_ids import BlockIdCache
 from .buffers import StaticBuffers
 from .compile import CompiledStep
 from .config import RunnerConfig, resolve_mode
+from .fields import StepPlan
 from .graphs import CaptureReport, GraphKey, GraphSet
-from .kernels import ahead
+from .kernels import compile_ahead
 from .kv_cache import BlockAllocator, KVCacheSpec, allocate_kv_caches
 from .models.base import check_model
-from .plan import SeqChunk, StepPlan, capture_plan, plan_with_cache
-from .strict import StrictChecker
+from .plan import SeqChunk, Target, capture_plan, plan_with_cache
+from .validate import StepValidator
 
 logger = logging.getLogger("fullgraph")
 
@@ -47,6 +48,7 @@ class FullGraphRunner:
             head_dim)`` in the model's dtype; see ``fullgraph.kv_cache``. Block 0 is the null block.
         blocks: the ``BlockAllocator`` of those pages (never hands out block 0).
         policy: the composed padding policy of every backend the model uses.
+        fields: the step fields each step's plan holds (``policy.table``).
     """
 
     def __init__(self, model: nn.Module, config: RunnerConfig | None = None, **overrides) -> None:
@@ -56,30 +58,32 @@ class FullGraphRunner:
         self.model, self.device, self.dtype = model, param.device, param.dtype
         self.vocab_size = int(model.vocab_size)
         config = resolve_mode(config, self.device.type == "cuda")
-        model_limits = {"max_position_embeddings": getattr(getattr(model, "config", None), "max_position_embeddings", None),
-                        "max_model_len": getattr(model, "max_model_len", None)}  # e.g. LongRoPE's choice
-        for name, limit in model_limits.items():
-            if limit is not None and config.max_model_len > limit:
-                raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {name} {limit}")
+        if config.max_model_len > model.max_model_len:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's max_model_len "
+                             f"{model.max_model_len} (its position table / the length it was built for)")
         num_blocks = config.num_blocks or config.max_num_seqs * config.max_blocks_per_seq + 1
         limits = BackendLimits(config.max_num_seqs, config.max_num_tokens, config.max_model_len,
                                config.block_size, num_blocks, self.device, self.dtype)
-        self.backends, dense_name = resolve_backends(config.attention, layers, limits)
-        self.config = config.replace(num_blocks=num_blocks, attention=dense_name)
+        self.backends, dense_cls = resolve_backends(config.attention, layers, limits)
+        dense = dense_cls.name if not isinstance(config.attention, type) else config.attention
+        self.config = config.replace(num_blocks=num_blocks, attention=dense)
         unique = list({id(b): b for b in self.backends.values()}.values())
         self.policy = padding.compose(*(b.policy for b in unique))
-        # only backends that can refuse a step are asked, every step
-        self._step_checks = [b for b in unique if type(b).step_unsupported_reason
-                             is not AttentionBackend.step_unsupported_reason]
+        self.fields = self.policy.table
+        # only backends that plan on the host are asked, every step
+        self._preparers = [b for b in unique if type(b).prepare is not AttentionBackend.prepare]
         self.kv_caches = allocate_kv_caches([KVCacheSpec(l.num_kv_heads, l.head_dim) for l in layers],
                                             num_blocks, config.block_size, self.dtype, self.device)
         self.blocks = BlockAllocator(num_blocks)
-        self.buffers = StaticBuffers(self.config, self.vocab_size, self.device)
+        self.buffers = StaticBuffers(self.config, self.fields, {"logits": ((self.vocab_size,), torch.float32)},
+                                     self.device)
+        for backend in unique:
+            self.buffers.add_workspaces(backend.name, backend.workspaces())
         self._graphs = GraphSet(self.device) if self.config.cudagraph == "full" else None
         self._capture_report: CaptureReport | None = None
         self._compiled = CompiledStep(self._model_forward, strict=self.config.validate) if self.config.compile else None
         self._forward = self._compiled or self._model_forward
-        self._strict = StrictChecker(self.buffers, self.kv_caches, config.block_size) if config.validate else None
+        self._validator = StepValidator(self.buffers, self.kv_caches, config.block_size) if config.validate else None
         self._warm = False
         self._block_ids = BlockIdCache()  # the last step's block ids, reused while a request's list is unchanged
         self._stats = {"steps": 0, "tokens": 0, "padded_tokens": 0, "graph_hits": Counter(),
@@ -98,8 +102,7 @@ class FullGraphRunner:
         (``generate.greedy(..., overlap=True)``). These ids are range-checked only with
         ``validate=True``, which waits for the device.
         """
-        # torch.inference_mode() as a decorator builds a context manager per call (~2 us); this is its core
-        with torch._C._InferenceMode(True):
+        with _compat.inference_mode():
             return self._step(chunks, token_ids)
 
     def _step(self, chunks: Sequence[SeqChunk], token_ids: torch.Tensor | None = None) -> StepOutput:
@@ -109,10 +112,10 @@ class FullGraphRunner:
             self.warmup()  # compile / capture first: they run their own plans through the staging area
         # padded: planned straight into the staging area. A step refused below leaves it unsent (on
         # CPU it is the buffers themselves, but every step rewrites all of its own bucket).
-        plan = plan_with_cache(chunks, cfg, self.policy, pad, cfg.num_blocks, self.vocab_size,
-                               self.buffers.staging() if pad else None, self._block_ids)
-        for backend in self._step_checks:
-            reason = backend.step_unsupported_reason(plan)
+        target = Target(self.fields, self.policy, None, self.buffers.staging() if pad else None)
+        plan = plan_with_cache(chunks, cfg, target, pad, cfg.num_blocks, self.vocab_size, self._block_ids)
+        for backend in self._preparers:
+            reason = backend.prepare(plan)
             if reason:
                 raise ValueError(f"attention backend {backend.name!r} cannot run this step: {reason}")
         if token_ids is not None:
@@ -144,17 +147,17 @@ class FullGraphRunner:
         key = plan.key
         graph = self._graphs is not None and self._graph_for(key, plan)
         self.buffers.upload(token_ids)
-        if self._strict is not None:
+        if self._validator is not None:
             if graph:
                 self._graphs.check_addresses(self._addresses())
-            self._strict.before(plan)
+            self._validator.before(plan)
         if graph:
             self._graphs.replay(key)
         else:
             self._run_static(key, plan.num_reqs_padded)
         logits = self.buffers.logits_copy(plan.num_reqs)
-        if self._strict is not None:
-            self._strict.after(plan, logits)
+        if self._validator is not None:
+            self._validator.after(plan, logits)
         return logits, "full" if graph else "padded"
 
     def _graph_for(self, key: GraphKey, plan: StepPlan) -> bool:
@@ -172,31 +175,23 @@ class FullGraphRunner:
     def _run_static(self, key: GraphKey, num_reqs: int) -> None:
         """The model over the static buffers of one bucket; what a graph captures."""
         num_tokens, decode_only = key
-        v = self.buffers.views(num_tokens, num_reqs)
-        v.logits.copy_(self._forward(v.input_ids, v.positions, v.logits_indices, v.query_start_loc,
-                                     v.seq_start_loc, v.seq_lens, v.block_table, v.slot_mapping, decode_only))
+        outputs = self._forward(self.buffers.views(num_tokens, num_reqs), decode_only)
+        for name, dst in self.buffers.output_views(num_reqs).items():
+            dst.copy_(outputs[name])
 
     def _run_unpadded(self, plan: StepPlan, token_ids: torch.Tensor | None = None) -> torch.Tensor:
-        def dev(a):
-            return torch.from_numpy(a).to(self.device)
-        input_ids = dev(plan.input_ids) if token_ids is None else token_ids.to(torch.int64).contiguous()
-        return self._forward(input_ids, dev(plan.positions), dev(plan.logits_indices),
-                             dev(plan.query_start_loc), dev(plan.seq_start_loc), dev(plan.seq_lens),
-                             dev(plan.block_table), dev(plan.slot_mapping), plan.decode_only)
+        inputs = {name: torch.from_numpy(a).to(self.device) for name, a in plan.arrays.items()}
+        if token_ids is not None:
+            inputs["input_ids"] = token_ids.to(torch.int64).contiguous()
+        return self._forward(inputs, plan.decode_only)["logits"]
 
-    def _model_forward(self, input_ids, positions, logits_indices, query_start_loc, seq_start_loc, seq_lens,
-                       block_table, slot_mapping, decode_only: bool) -> torch.Tensor:
-        """Model + logits for one step: the function ``compile=True`` compiles (tensors in, logits out)."""
-        reads = self.policy.reads
-        metadata = AttentionMetadata(
-            query_start_loc=query_start_loc if "query_start_loc" in reads else None,
-            seq_start_loc=seq_start_loc if "seq_start_loc" in reads else None,
-            seq_lens=seq_lens if "seq_lens" in reads else None,
-            block_table=block_table if "block_table" in reads else None,
-            slot_mapping=slot_mapping if "slot_mapping" in reads else None,
-            decode_only=decode_only, backends=self.backends)
-        hidden = self.model(input_ids, positions, self.kv_caches, metadata)     # (T, hidden)
-        return self.model.compute_logits(hidden[logits_indices])               # (R, vocab) float32
+    def _model_forward(self, inputs: Mapping[str, torch.Tensor], decode_only: bool) -> dict[str, torch.Tensor]:
+        """Model + logits for one step: the function ``compile=True`` compiles. ``inputs``: one
+        tensor per step field (``self.fields``); returns the step's outputs by name."""
+        metadata = AttentionMetadata.from_step(inputs, self.fields.metadata, self.policy.reads, decode_only,
+                                               self.backends)
+        hidden = self.model(inputs["input_ids"], inputs["positions"], self.kv_caches, metadata)   # (T, hidden)
+        return {"logits": self.model.compute_logits(hidden[inputs["logits_indices"]])}          # (R, vocab) float32
 
     @torch.inference_mode()
     def warmup(self) -> None:
@@ -206,19 +201,20 @@ class FullGraphRunner:
         if cfg.cudagraph == "full":
             self.capture()
             return
+        target = Target(self.fields, self.policy, None, None)
         if cfg.cudagraph == "padded":
             def run(key: GraphKey) -> None:
-                self.buffers.copy_in(capture_plan(cfg, self.policy, cfg.num_blocks, *key))
-                self._run_static(key, min(key[0], cfg.max_num_seqs))
+                self.buffers.copy_in(capture_plan(cfg, target, cfg.num_blocks, *key))
+                self._run_static(key, cfg.padded_num_reqs(key[0]))
 
             keys = sorted(self.graph_keys(), reverse=True)
-            ahead.compile_runs((lambda k=k: run(k)) for k in keys)  # every key's Triton kernels, in parallel
+            compile_ahead.compile_runs((lambda k=k: run(k)) for k in keys)  # every key's Triton kernels, in parallel
             for key in keys:
                 run(key)
         else:  # unpadded: one request / several requests, decode / mixed (sizes 1 specialise)
             for tokens, reqs, decode in ((3, 2, False), (2, 1, False), (2, 2, True), (1, 1, True)):
                 if reqs <= cfg.max_num_seqs and tokens <= cfg.max_num_tokens:
-                    self._run_unpadded(capture_plan(cfg, self.policy, cfg.num_blocks, tokens, decode, num_reqs=reqs))
+                    self._run_unpadded(capture_plan(cfg, target, cfg.num_blocks, tokens, decode, num_reqs=reqs))
         self._finish_warmup()
 
     def _finish_warmup(self) -> None:
@@ -243,14 +239,19 @@ class FullGraphRunner:
     def capture(self) -> CaptureReport:
         """Capture a CUDA graph for every key (largest first, one pool); returns a report."""
         if self._graphs is None:
+            if self.device.type != "cuda":
+                raise ValueError(f"capture() records CUDA graphs, and this runner's model is on {self.device}: there "
+                                 "is nothing to capture here. cudagraph='padded' already runs the padded static "
+                                 "buffers eagerly; warmup() runs every step shape once ahead")
             raise ValueError(f'capture() needs cudagraph="full" (this runner is {self.config.cudagraph!r})')
         cfg = self.config
+        target = Target(self.fields, self.policy, None, None)
 
         def prepare(key: GraphKey) -> None:
-            self.buffers.copy_in(capture_plan(cfg, self.policy, cfg.num_blocks, *key))
+            self.buffers.copy_in(capture_plan(cfg, target, cfg.num_blocks, *key))
 
         def run(key: GraphKey) -> None:
-            self._run_static(key, min(key[0], cfg.max_num_seqs))
+            self._run_static(key, cfg.padded_num_reqs(key[0]))
 
         logger.info("fullgraph: capturing %d CUDA graphs ...", len(self.graph_keys()))
         self._capture_report = self._graphs.capture(self.graph_keys(), prepare, run, self._addresses)

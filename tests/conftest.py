@@ -24,3 +24,20 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def registered_backend():
+    """Register attention backends for one test (by name, as a user would); removed afterwards."""
+    from fullgraph.attention.backends import register_backend, unregister_backend
+
+    names = []
+
+    def register(cls):
+        register_backend(cls)
+        names.append(cls.name)
+        return cls
+
+    yield register
+    for name in names:
+        unregister_backend(name)

@@ -73,8 +73,9 @@ class Batch:
     layer_scale: float = SCALE
 
     def metadata(self, decode_only: bool, backend) -> AttentionMetadata:
-        return AttentionMetadata(self.query_start_loc, None, self.seq_lens, self.block_table,
-                                 self.slot_mapping, decode_only, {"blocksparse": backend})
+        return AttentionMetadata(query_start_loc=self.query_start_loc, seq_lens=self.seq_lens,
+                                 block_table=self.block_table, slot_mapping=self.slot_mapping,
+                                 decode_only=decode_only, backends={"blocksparse": backend})
 
     def expected(self, scale: float, cfg: BlockSparseConfig | None) -> torch.Tensor:
         out = torch.zeros(self.q.shape, dtype=torch.float64)
@@ -261,7 +262,7 @@ def test_prefill_gqa_wider_head_dim_step2():
 def test_backend_mixed_step_writes_kv_and_matches(impl):
     batch = make_batch(MIXED, write_new=False, pad_reqs=2, pad_tokens=4)
     backend, layer = make_backend(CFG, impl, batch)
-    out = backend.forward(layer, batch.q, batch.k, batch.v, batch.kv_cache, batch.metadata(False, backend))
+    out = layer(batch.q, batch.k, batch.v, batch.kv_cache, batch.metadata(False, backend)).view(batch.q.shape)
     assert_matches(out, batch, CFG)
     assert (out[-4:] == 0).all()
 
@@ -294,7 +295,7 @@ def test_decode_kernel_matches_reference(num_splits):
 def test_backend_decode_step(impl):
     batch = make_batch(DECODE, write_new=False, pad_reqs=2, pad_tokens=2)
     backend, layer = make_backend(HOMO, impl, batch, max_num_seqs=16)
-    out = backend.forward(layer, batch.q, batch.k, batch.v, batch.kv_cache, batch.metadata(True, backend))
+    out = layer(batch.q, batch.k, batch.v, batch.kv_cache, batch.metadata(True, backend)).view(batch.q.shape)
     assert_matches(out, batch, HOMO)
     assert (out[-2:] == 0).all()
 
@@ -373,8 +374,9 @@ def test_compile_fullgraph_traces_the_kernels(decode_only):
     backend, layer = make_backend(CFG, "triton", batch)
 
     def step(q, k, v, cache, qsl, seq_lens, table, slots):
-        md = AttentionMetadata(qsl, None, seq_lens, table, slots, decode_only, {"blocksparse": backend})
-        return backend.forward(layer, q, k, v, cache, md)
+        md = AttentionMetadata(query_start_loc=qsl, seq_lens=seq_lens, block_table=table, slot_mapping=slots,
+                               decode_only=decode_only, backends={"blocksparse": backend})
+        return layer(q, k, v, cache, md).view(q.shape)
 
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     out = compiled(batch.q, batch.k, batch.v, batch.kv_cache, batch.query_start_loc, batch.seq_lens,
@@ -478,9 +480,10 @@ def test_gpu_cuda_graph_capture_and_replay(decode_only):
             static[name].copy_(getattr(batch, name))
 
     def run():
-        md = AttentionMetadata(static["query_start_loc"], None, static["seq_lens"], static["block_table"],
-                               static["slot_mapping"], decode_only, {"blocksparse": backend})
-        return backend.forward(layer, static["q"], static["k"], static["v"], cache, md)
+        md = AttentionMetadata(query_start_loc=static["query_start_loc"], seq_lens=static["seq_lens"],
+                               block_table=static["block_table"], slot_mapping=static["slot_mapping"],
+                               decode_only=decode_only, backends={"blocksparse": backend})
+        return layer(static["q"], static["k"], static["v"], cache, md).view(static["q"].shape)
 
     load(template)
     run()                                                        # warm-up (JIT) outside capture

@@ -6,18 +6,16 @@ import torch
 
 import fullgraph as fg
 from fullgraph.__main__ import main
-from fullgraph.attention import torch_ops
-from fullgraph.attention.backends import register_backend
+from fullgraph.attention import reference
 from fullgraph.attention.backends.sdpa import SdpaBackend
 from fullgraph.padding import PaddingPolicy
-from fullgraph.strict import StrictModeError
+from fullgraph.validate import ValidationError
 from harness import toy_model
 
 LIMITS = dict(max_num_seqs=8, max_num_tokens=128, max_model_len=256, block_size=16)
 READS = SdpaBackend.policy.reads
 
 
-@register_backend
 class MinusOnePadding(SdpaBackend):
     """Planted: pads query_start_loc with -1 (the bug that broke FlashAttention under graphs)."""
 
@@ -25,21 +23,26 @@ class MinusOnePadding(SdpaBackend):
     policy = PaddingPolicy("planted_minus_one", reads=READS, tails={"query_start_loc": -1})
 
 
-@register_backend
+def write_ignoring_the_sentinel(q, k, v, kv_cache, metadata, rope=None, positions=None, keep_kv=False):
+    """A KV writer that writes every slot, -1 included (which lands on the cache's last slot)."""
+    if rope is not None:
+        q, k = rope(positions, q, k)
+    flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
+    flat[:, metadata.slot_mapping] = torch.stack((k, v))
+    return q, k, v
+
+
 class IgnoresSlotSentinel(SdpaBackend):
-    """Planted: writes K/V at every slot, -1 included (which lands on the cache's last slot)."""
+    """Planted: its KV write ignores slot -1."""
 
     name = "planted_kv_sentinel"
     policy = PaddingPolicy("planted_kv_sentinel", reads=READS)
 
-    def forward(self, layer, q, k, v, kv_cache, metadata):
-        flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
-        flat[:, metadata.slot_mapping] = torch.stack((k, v))
-        return torch_ops.paged_attention(q, kv_cache, metadata.query_start_loc, metadata.seq_lens,
-                                         metadata.block_table, scale=layer.scale, decode_only=metadata.decode_only)
+    def __init__(self, limits, layers) -> None:
+        super().__init__(limits, layers)
+        self.kv_writer = write_ignoring_the_sentinel
 
 
-@register_backend
 class HostScalarAtCapture(SdpaBackend):
     """Planted: reads the longest sequence on the host when it can, so a capture bakes in the
     capture-time value (eager and padded runs stay right; the graph attends to too few pages)."""
@@ -49,16 +52,15 @@ class HostScalarAtCapture(SdpaBackend):
     longest = 1
 
     def forward(self, layer, q, k, v, kv_cache, metadata):
-        torch_ops.write_kv(kv_cache, k, v, metadata.slot_mapping)
         if not torch.cuda.is_current_stream_capturing():
             self.longest = int(metadata.seq_lens.max())
         pages = max(1, -(-self.longest // kv_cache.shape[2]))
-        return torch_ops.paged_attention(q, kv_cache, metadata.query_start_loc, metadata.seq_lens,
+        return reference.paged_attention(q, kv_cache, metadata.query_start_loc, metadata.seq_lens,
                                          metadata.block_table[:, :pages], scale=layer.scale,
                                          decode_only=metadata.decode_only)
 
 
-def primed_runner(attention: str = "sdpa") -> tuple[fg.FullGraphRunner, list[list[int]]]:
+def primed_runner(attention="sdpa") -> tuple[fg.FullGraphRunner, list[list[int]]]:
     """A runner ("none") holding three requests' context, to compare steps against."""
     runner = fg.FullGraphRunner(toy_model(), cudagraph="none", attention=attention, **LIMITS)
     blocks = [runner.blocks.allocate(8) for _ in range(4)]
@@ -96,17 +98,17 @@ def test_clean_compiled_run_reports_no_divergence():
 
 
 def test_minus_one_policy_is_found_at_the_first_layer():
-    runner, blocks = primed_runner("planted_minus_one")
+    runner, blocks = primed_runner(MinusOnePadding)
     report = fg.debug.compare(runner, mixed_step(blocks), modes=("none", "padded"))
     assert report.modes["padded"].first_divergent_layer == 0, str(report)
     assert not report.clean and "DIVERGENCE" in str(report)
 
 
 def test_kv_write_ignoring_the_sentinel_is_caught_by_strict_mode():
-    runner = fg.FullGraphRunner(toy_model(), cudagraph="padded", attention="planted_kv_sentinel",
+    runner = fg.FullGraphRunner(toy_model(), cudagraph="padded", attention=IgnoresSlotSentinel,
                                 validate=True, **LIMITS)
     ids = runner.blocks.allocate(2)
-    with pytest.raises(StrictModeError, match="layer 0: KV slot"):
+    with pytest.raises(ValidationError, match="layer 0: KV slot"):
         runner.step([fg.SeqChunk(list(range(13)), 0, ids)])  # 13 tokens, bucket 16: 3 padded slots
 
 
@@ -120,7 +122,7 @@ def test_strict_mode_passes_a_clean_backend_and_restores_the_null_block():
 
 @pytest.mark.gpu
 def test_host_scalar_baked_in_at_capture_is_found_in_full_mode():
-    runner, blocks = primed_runner("planted_host_scalar")
+    runner, blocks = primed_runner(HostScalarAtCapture)
     report = fg.debug.compare(runner, BATCHES["decode"](blocks), modes=("none", "padded", "full"))
     assert report.modes["padded"].first_divergent_layer is None, str(report)
     assert report.modes["full"].first_divergent_layer == 0, str(report)

@@ -8,11 +8,10 @@ import pytest
 import torch
 
 import fullgraph as fg
-from fullgraph.attention.backends import register_backend
 from fullgraph.attention.backends.sdpa import SdpaBackend
 from fullgraph.block_ids import BlockIdCache
 from fullgraph.padding import check, get_policy
-from fullgraph.plan import array_shapes, plan_with_cache
+from fullgraph.plan import Target, array_shapes, plan_with_cache
 from harness import toy_model
 from test_plan import CFG, naive_layout, random_chunks
 
@@ -115,14 +114,13 @@ class RefuseDecodeBackend(SdpaBackend):
     name = "refuse_decode"
     policy = fg.PaddingPolicy("refuse_decode", reads=SdpaBackend.policy.reads)
 
-    def step_unsupported_reason(self, plan) -> str | None:
+    def prepare(self, plan) -> str | None:
         return "no decode steps here" if plan.decode_only else None
 
 
 def test_a_refused_step_changes_nothing_and_the_next_one_runs():
-    register_backend(RefuseDecodeBackend)
     runner = fg.FullGraphRunner(toy_model(), max_num_seqs=4, max_num_tokens=64, max_model_len=128,
-                                cudagraph="padded", attention="refuse_decode")
+                                cudagraph="padded", attention=RefuseDecodeBackend)
     ids = runner.blocks.allocate(2)
     runner.step([fg.SeqChunk([1, 2, 3], 0, ids)])
     kv = [c.clone() for c in runner.kv_caches]
@@ -135,7 +133,9 @@ def test_a_refused_step_changes_nothing_and_the_next_one_runs():
 
 
 def _plan_cached(chunks, cache, cfg=BIG, num_blocks=None):
-    return plan_with_cache(chunks, cfg, get_policy("sdpa"), True, num_blocks or cfg.num_blocks, 100, None, cache)
+    policy = get_policy("sdpa")
+    return plan_with_cache(chunks, cfg, Target(policy.table, policy, None, None), True, num_blocks or cfg.num_blocks,
+                           100, cache)
 
 
 def _error(fn) -> str:

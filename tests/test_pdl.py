@@ -5,24 +5,34 @@ from __future__ import annotations
 import pytest
 import torch
 
+import fullgraph.env
 from fullgraph.kernels import pdl
 from fullgraph.kernels.linear import launch as linear
 from fullgraph.kernels.norm import add_rms_norm
 
 
-def test_off_on_cpu_and_under_the_interpreter():
+def test_off_on_cpu_and_under_the_interpreter(monkeypatch):
     assert pdl.options(torch.empty(1)) == {"USE_PDL": False}
+    # The interpreter rule on its own (a CPU tensor alone never reaches it): with it deleted,
+    # asking for device 0's capability fails on a machine without CUDA, or says yes on a Hopper.
+    monkeypatch.setattr(fullgraph.env, "triton_interpret", lambda: True)
+    assert pdl._enabled.__wrapped__(0) is False
+    monkeypatch.setattr(fullgraph.env, "pdl_disabled", lambda: True)
+    monkeypatch.setattr(fullgraph.env, "triton_interpret", lambda: False)
+    assert pdl._enabled.__wrapped__(0) is False
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_env_switch_is_read_once(monkeypatch):
-    monkeypatch.setenv(pdl.ENV, "0")
+    monkeypatch.setenv(fullgraph.env.PDL, "0")
+    fullgraph.env.pdl_disabled.cache_clear()
     pdl._enabled.cache_clear()
     try:
         assert pdl.options(torch.empty(1, device="cuda")) == {"USE_PDL": False}
     finally:
-        monkeypatch.delenv(pdl.ENV)
+        monkeypatch.delenv(fullgraph.env.PDL)
+        fullgraph.env.pdl_disabled.cache_clear()
         pdl._enabled.cache_clear()
     want = torch.cuda.get_device_capability()[0] >= 9
     assert pdl.options(torch.empty(1, device="cuda"))["USE_PDL"] is want

@@ -216,8 +216,9 @@ def attention_steps(backend_name: str, impl: str | None, grouped: bool, rotary: 
     ]
     for qsl, seq_lens, slots, positions, decode in steps:
         q, k, v = projection(len(slots), heads, kv_heads, head_dim, grouped, gen)
-        md = AttentionMetadata(torch.tensor(qsl, **i32), None, torch.tensor(seq_lens, **i32), table,
-                               torch.tensor(slots, dtype=torch.int64, device=DEVICE), decode, {kind: backend})
+        md = AttentionMetadata(query_start_loc=torch.tensor(qsl, **i32), seq_lens=torch.tensor(seq_lens, **i32),
+                               block_table=table, slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
+                               decode_only=decode, backends={kind: backend})
         out = layer(q, k, v, cache, md, rope=rotary, positions=torch.tensor(positions, device=DEVICE))
         outs.append(out[: qsl[-1]])
     return outs, cache, backend
@@ -227,12 +228,13 @@ def attention_steps(backend_name: str, impl: str | None, grouped: bool, rotary: 
     ("triton", None, False), ("triton", None, True), ("sdpa", None, True),
     ("blocksparse", "triton", True), ("blocksparse", "torch", False),
 ], ids=["triton", "triton-grouped", "sdpa", "blocksparse-triton", "blocksparse-torch"])
-def test_attention_fuses_only_where_the_backend_can(backend_name, impl, grouped):
+def test_attention_fuses_only_where_the_writer_can(backend_name, impl, grouped):
     inv_freq = rope_inv_freq(32, 10000.0)
     forced = ForcedRotary(inv_freq, 128, 1.2, device=DEVICE)
     outs, cache, backend = attention_steps(backend_name, impl, grouped, forced)
-    assert forced.calls == (0 if backend.fuses_rope else 2)
-    assert backend.fuses_rope == (backend_name == "triton" or impl == "triton")
+    fuses = backend.kv_writer.impl == "kernel"
+    assert fuses == (backend_name == "triton" or impl == "triton")
+    assert forced.calls == (0 if fuses else 2)
     plain = RotaryEmbedding(inv_freq, 128, 1.2, device=DEVICE)       # not fusable on the CPU: rope, then forward
     ref_outs, ref_cache, _ = attention_steps(backend_name, impl, grouped, plain)
     for got, want in zip(outs, ref_outs):

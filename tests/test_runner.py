@@ -5,7 +5,6 @@ import pytest
 import torch
 
 import fullgraph as fg
-from fullgraph.attention.backends import register_backend
 from fullgraph.attention.backends.sdpa import SdpaBackend
 from fullgraph.kv_cache import BlockAllocator
 from fullgraph.padding import PaddingPolicy
@@ -43,16 +42,20 @@ def test_config_validation(bad, match):
 def test_unknown_backend_and_too_long_model_len():
     with pytest.raises(ValueError, match="no attention backend named 'fast'"):
         fg.FullGraphRunner(toy_model(), attention="fast")
-    with pytest.raises(ValueError, match="max_position_embeddings"):
+    with pytest.raises(ValueError, match="exceeds the model.s max_model_len"):
         fg.FullGraphRunner(toy_model(), max_model_len=8192)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
-def test_full_mode_without_cuda_suggests_padded():
-    with pytest.raises(ValueError, match='cudagraph="padded"'):
+def test_full_mode_without_cuda_suggests_padded(monkeypatch):
+    with pytest.raises(ValueError, match='cudagraph="full" needs a CUDA device.*nothing to capture.*"padded"'):
         fg.FullGraphRunner(toy_model(), cudagraph="full")
+    monkeypatch.setenv("FULLGRAPH_CUDAGRAPH", "full")
+    with pytest.raises(ValueError, match="FULLGRAPH_CUDAGRAPH=full in the environment needs a CUDA device"):
+        fg.FullGraphRunner(toy_model(), cudagraph="padded")
+    monkeypatch.delenv("FULLGRAPH_CUDAGRAPH")
     runner = fg.FullGraphRunner(toy_model(), cudagraph="padded")
-    with pytest.raises(ValueError, match='capture\\(\\) needs cudagraph="full"'):
+    with pytest.raises(ValueError, match="nothing to capture here.*padded"):
         runner.capture()
 
 
@@ -100,8 +103,8 @@ class ProbeBackend(SdpaBackend):
     policy = PaddingPolicy("probe_undeclared", reads=frozenset({"query_start_loc", "seq_lens", "slot_mapping"}))
 
 
-def test_undeclared_field_is_not_built_and_reading_it_fails_loudly():
-    register_backend(ProbeBackend)
+def test_undeclared_field_is_not_built_and_reading_it_fails_loudly(registered_backend):
+    registered_backend(ProbeBackend)
     runner = fg.FullGraphRunner(toy_model(), attention="probe_undeclared", cudagraph="padded")
     with pytest.raises(RuntimeError, match="'probe_undeclared' read metadata field 'block_table'"):
         runner.step([fg.SeqChunk([1, 2], 0, runner.blocks.allocate(1))])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fullgraph as fg
-from fullgraph.attention import torch_ops
+from fullgraph.attention import reference as ref_ops
 from fullgraph.padding import PaddingPolicy, get_policy
 
 CFG = fg.RunnerConfig(max_num_seqs=8, max_num_tokens=256, max_model_len=160, block_size=16, num_blocks=64)
@@ -58,8 +58,8 @@ def run_planned(plan, cache, q, k_new, v_new, scale):
     def pad(x):
         return torch.cat([x, torch.full((t - x.shape[0], *x.shape[1:]), float("nan"))])
     q, k_new, v_new = pad(q), pad(k_new), pad(v_new)                 # padded rows are NaN too
-    torch_ops.write_kv(cache, k_new, v_new, torch.from_numpy(plan.slot_mapping))
-    return torch_ops.paged_attention(
+    ref_ops.write_kv(cache, k_new, v_new, torch.from_numpy(plan.slot_mapping))
+    return ref_ops.paged_attention(
         q, cache, torch.from_numpy(plan.query_start_loc), torch.from_numpy(plan.seq_lens),
         torch.from_numpy(plan.block_table), scale=0.25, decode_only=plan.decode_only)[: plan.num_tokens]
 
@@ -105,7 +105,7 @@ def test_write_kv_skips_negative_slots_byte_exact():
     before = cache.clone()
     k, v = torch.randn(5, 2, 8), torch.randn(5, 2, 8)
     slots = torch.tensor([5, -1, 9, -1, -1])
-    torch_ops.write_kv(cache, k, v, slots)
+    ref_ops.write_kv(cache, k, v, slots)
     flat, old = cache.view(2, -1, 2, 8), before.view(2, -1, 2, 8)
     assert torch.equal(flat[0, 5], k[0]) and torch.equal(flat[1, 9], v[2])
     untouched = [s for s in range(16) if s not in (5, 9)]

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from fullgraph.attention import Attention, AttentionMetadata, torch_ops
+from fullgraph.attention import Attention, AttentionMetadata
+from fullgraph.attention import reference as ref_ops
 from fullgraph.attention.backends import BackendLimits
 from fullgraph.attention.backends.sdpa import SdpaBackend
 
@@ -64,31 +65,29 @@ def make_step(rng: np.random.Generator, cache: torch.Tensor, seq_lens: list[int]
 def general(step: Step, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The general path on a copy of the cache, the reference: (output, cache after the write)."""
     cache = cache.clone()
-    torch_ops.write_kv(cache, step.k, step.v, step.slot_mapping)
-    return torch_ops.paged_attention(step.q, cache, step.query_start_loc, step.seq_lens, step.block_table,
+    ref_ops.write_kv(cache, step.k, step.v, step.slot_mapping)
+    return ref_ops.paged_attention(step.q, cache, step.query_start_loc, step.seq_lens, step.block_table,
                                      scale=SCALE, decode_only=False), cache
 
 
-def fast(step: Step, cache: torch.Tensor) -> torch.Tensor:
-    """The fast path, writing into ``cache``."""
-    torch_ops.write_kv_indexed(cache, step.k, step.v, *torch_ops.write_index(step.slot_mapping))
-    index, bias = torch_ops.decode_index(step.seq_lens, step.block_table, BLOCK, cache.shape[3],
-                                         NUM_BLOCKS * BLOCK, cache.dtype, torch_ops.DECODE_GATHER)
-    return torch_ops.decode_attention_op(step.q, cache, index, bias, SCALE, torch_ops.DECODE_GATHER,
-                                         torch_ops.DECODE_ATTENTION)
+def fast(step: Step, cache: torch.Tensor, variant: tuple[str, str]) -> torch.Tensor:
+    """The fast path with ``variant`` = (gather, attention), writing into ``cache``."""
+    gather, attention = variant
+    ref_ops.write_kv_indexed(cache, step.k, step.v, *ref_ops.write_index(step.slot_mapping))
+    index, bias = ref_ops.decode_index(step.seq_lens, step.block_table, BLOCK, cache.shape[3],
+                                       NUM_BLOCKS * BLOCK, cache.dtype, gather)
+    return ref_ops.decode_attention_op(step.q, cache, index, bias, SCALE, gather, attention)
 
 
-@pytest.fixture(params=["slots", "rows"])
-def gather(request, monkeypatch) -> str:
-    monkeypatch.setattr(torch_ops, "DECODE_GATHER", request.param)
+@pytest.fixture(params=ref_ops.DECODE_GATHERS)
+def gather(request) -> str:
     return request.param
 
 
-@pytest.fixture(params=["matmul", "matmul_keys", "sdpa"])
-def variant(request, gather, monkeypatch) -> str:
-    """Every (DECODE_GATHER, DECODE_ATTENTION) pair."""
-    monkeypatch.setattr(torch_ops, "DECODE_ATTENTION", request.param)
-    return request.param
+@pytest.fixture(params=ref_ops.DECODE_ATTENTIONS)
+def variant(request, gather) -> tuple[str, str]:
+    """Every (gather, attention) pair of the decode fast path."""
+    return gather, request.param
 
 
 LENGTHS = {
@@ -107,7 +106,7 @@ def test_fast_path_matches_general_path(variant, heads, kv_heads, lengths, pad):
     cache = make_cache(kv_heads)
     step = make_step(rng, cache, LENGTHS[lengths], pad, heads)
     want, written = general(step, cache)
-    got = fast(step, cache)
+    got = fast(step, cache, variant)
     assert torch.equal(cache.view(torch.int32), written.view(torch.int32)), "the KV writes differ"
     assert torch.isfinite(got).all(), "NaN reached a row (real, or padded: those read request 0's key 0)"
     real = step.num_reqs
@@ -120,9 +119,9 @@ def test_fast_path_reads_the_new_token(variant):
     rng = np.random.default_rng(7)
     cache = make_cache(2)
     step = make_step(rng, cache, [17, 1], 0, 4)
-    before = fast(step, cache.clone())
+    before = fast(step, cache.clone(), variant)
     step.v += 1.0
-    after = fast(step, cache.clone())
+    after = fast(step, cache.clone(), variant)
     assert (after - before).abs().amin(-1).gt(1e-3).all()
 
 
@@ -131,7 +130,7 @@ def test_bf16_fast_path_close_to_general_path(variant):
     cache = make_cache(2, torch.bfloat16)
     step = make_step(rng, cache, [1, 16, 97, 40], 2, 8)
     want = general(step, cache)[0][: step.num_reqs].float()
-    got = fast(step, cache)
+    got = fast(step, cache, variant)
     assert torch.isfinite(got).all() and got.dtype == torch.bfloat16
     torch.testing.assert_close(got[: step.num_reqs].float(), want, atol=3e-2, rtol=3e-2)
 
@@ -140,7 +139,7 @@ def test_decode_index_masks_and_never_points_at_unwritten_slots(gather):
     seq_lens = torch.tensor([1, 17, 0], dtype=torch.int32)
     table = torch.tensor([[5, 0, 0], [7, 9, 0], [0, 0, 0]], dtype=torch.int32)
     num_slots = 12 * 16
-    index, bias = torch_ops.decode_index(seq_lens, table, 16, 2, num_slots, torch.float32, gather)
+    index, bias = ref_ops.decode_index(seq_lens, table, 16, 2, num_slots, torch.float32, gather)
     assert index.dtype == torch.int64 and bias.shape == (6, 48)
     if gather == "slots":      # (K or V, key, request) -> row of kv_cache.view(2 * num_slots, KVH * D)
         assert index.shape == (2, 48, 3) and index.is_contiguous()
@@ -152,8 +151,8 @@ def test_decode_index_masks_and_never_points_at_unwritten_slots(gather):
         assert (heads == torch.arange(2)[None, :, None]).all()
     assert slots[0].unique().tolist() == [5 * 16]                      # only key 0, then repeats of it
     assert slots[1, 0, :17].tolist() == list(range(7 * 16, 8 * 16)) + [9 * 16]
-    assert (slots[1, :, 17:] == 7 * 16).all()                          # past seq_len: own position 0
-    assert (slots[2] == 5 * 16).all()                                  # padded: request 0's position 0
+    assert (slots[1, :, 17:] == 9 * 16).all()                          # past seq_len: own newest position 16
+    assert (slots[2] == 5 * 16).all()                                  # padded: request 0's newest (0)
     keep = bias.view(3, 2, 48) == 0
     assert keep.sum(-1).tolist() == [[1, 1], [17, 17], [1, 1]]
     assert torch.isneginf(bias.view(3, 2, 48)[~keep]).all()
@@ -164,9 +163,9 @@ def test_slots_gather_is_one_flat_index_and_copies_nothing_else():
     rows are whole slots; K and V come back as views of that one result (no copy per layer)."""
     cache = torch.randn(2, NUM_BLOCKS, BLOCK, 2, DIM)
     step = make_step(np.random.default_rng(3), cache, [5, 40], 1, 4)
-    index, _ = torch_ops.decode_index(step.seq_lens, step.block_table, BLOCK, 2, NUM_BLOCKS * BLOCK,
+    index, _ = ref_ops.decode_index(step.seq_lens, step.block_table, BLOCK, 2, NUM_BLOCKS * BLOCK,
                                       cache.dtype, "slots")
-    k, v = torch_ops._gather(cache, index, "slots")
+    k, v = ref_ops._gather(cache, index, "slots")
     assert k.shape == v.shape == (3 * 2, MAX_BLOCKS * BLOCK, DIM)
     assert k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
     assert k.stride() == (DIM, 3 * 2 * DIM, 1)                         # (R*KVH, L, D) over (L, R*KVH, D)
@@ -179,29 +178,30 @@ def test_slots_gather_is_one_flat_index_and_copies_nothing_else():
 
 def test_write_kv_indexed_byte_identity_with_minus_one_slots():
     """Shared index, two layers: real slots get the new values, every other byte stays put."""
-    safe, valid = torch_ops.write_index(torch.tensor([37, -1, 5, -1]))
+    safe, valid = ref_ops.write_index(torch.tensor([37, -1, 5, -1]))
     for _ in range(2):
         cache = torch.randn(2, 4, 16, 2, 8)
         cache[:, 0] = float("nan")
         before = cache.clone()
         k, v = torch.randn(4, 2, 8), torch.randn(4, 2, 8)
-        torch_ops.write_kv_indexed(cache, k, v, safe, valid)
+        ref_ops.write_kv_indexed(cache, k, v, safe, valid)
         flat, old = cache.view(2, -1, 2, 8), before.view(2, -1, 2, 8)
         assert torch.equal(flat[0, 37], k[0]) and torch.equal(flat[1, 5], v[2])
         untouched = [s for s in range(64) if s not in (37, 5)]
         assert torch.equal(flat[:, untouched].view(torch.int32), old[:, untouched].view(torch.int32))
 
 
-def backend_layers(num_layers: int, heads: int, kv_heads: int):
+def backend_layers(num_layers: int, heads: int, kv_heads: int, gather: str = "slots"):
     limits = BackendLimits(8, 64, MAX_BLOCKS * BLOCK, BLOCK, NUM_BLOCKS, torch.device("cpu"), torch.float32)
     layers = [Attention(heads, kv_heads, DIM, SCALE) for _ in range(num_layers)]
-    return SdpaBackend(limits, layers), layers
+    backend = type("SdpaVariant", (SdpaBackend,), {"decode_gather": gather})  # a variant, unregistered
+    return backend(limits, layers), layers
 
 
 def backend_step(backend, layers, caches, step: Step, decode_only: bool) -> list[torch.Tensor]:
     """One step through every layer with ONE metadata, as the runner builds it."""
-    md = AttentionMetadata(step.query_start_loc, None, step.seq_lens, step.block_table, step.slot_mapping,
-                           decode_only, {"dense": backend})
+    md = AttentionMetadata(query_start_loc=step.query_start_loc, seq_lens=step.seq_lens, block_table=step.block_table,
+                           slot_mapping=step.slot_mapping, decode_only=decode_only, backends={"dense": backend})
     return [layer(step.q, step.k, step.v, cache, md) for layer, cache in zip(layers, caches)]
 
 
@@ -215,10 +215,10 @@ def test_backend_builds_the_step_index_once_for_all_layers(monkeypatch):
     want = [general(step, cache)[0][: step.num_reqs] for cache in caches]
     calls = {"decode_index": 0, "write_index": 0}
     for name in calls:
-        def counted(*args, _fn=getattr(torch_ops, name), _name=name):
+        def counted(*args, _fn=getattr(ref_ops, name), _name=name):
             calls[_name] += 1
             return _fn(*args)
-        monkeypatch.setattr(torch_ops, name, counted)
+        monkeypatch.setattr(ref_ops, name, counted)
     got = backend_step(backend, layers, caches, step, decode_only=True)
     assert calls == {"decode_index": 1, "write_index": 1}
     for g, w in zip(got, want):
@@ -228,7 +228,7 @@ def test_backend_builds_the_step_index_once_for_all_layers(monkeypatch):
 def test_backend_compiled_matches_eager_and_shares_the_index(gather):
     """``torch.compile(fullgraph=True, dynamic=True)``: the step index is one node feeding every
     layer, the ops stay opaque, and the result equals eager."""
-    backend, layers = backend_layers(2, 4, 2)
+    backend, layers = backend_layers(2, 4, 2, gather)
     graphs = []
 
     def count_backend(gm, example_inputs):
@@ -238,7 +238,8 @@ def test_backend_compiled_matches_eager_and_shares_the_index(gather):
         return compile_fx(gm, example_inputs)
 
     def step_fn(q, k, v, qsl, seq_lens, table, slots, cache0, cache1):
-        md = AttentionMetadata(qsl, None, seq_lens, table, slots, True, {"dense": backend})
+        md = AttentionMetadata(query_start_loc=qsl, seq_lens=seq_lens, block_table=table, slot_mapping=slots,
+                               decode_only=True, backends={"dense": backend})
         return [layer(q, k, v, c, md) for layer, c in zip(layers, (cache0, cache1))]
 
     compiled = torch.compile(step_fn, fullgraph=True, dynamic=True, backend=count_backend)
@@ -271,8 +272,8 @@ def test_ops_pass_opcheck(gather):
     step = make_step(rng, cache, [17, 3], 1, 4)
     cache = torch.nan_to_num(cache)  # opcheck compares runs with NaN != NaN
     args = (step.seq_lens, step.block_table, BLOCK, 2, NUM_BLOCKS * BLOCK, torch.float32, gather)
-    index, bias = torch_ops.decode_index(*args)
-    safe, valid = torch_ops.write_index(step.slot_mapping)
+    index, bias = ref_ops.decode_index(*args)
+    safe, valid = ref_ops.write_index(step.slot_mapping)
     torch.library.opcheck(torch.ops.fullgraph.reference_decode_index.default, args)
     for attention in ("matmul", "matmul_keys", "sdpa"):
         torch.library.opcheck(torch.ops.fullgraph.paged_decode_reference.default,

@@ -17,7 +17,7 @@ import torch
 import fullgraph
 from fullgraph.attention import Attention
 from fullgraph.attention.backends import BackendLimits, get_backend_class
-from fullgraph.attention.metadata import AttentionMetadata
+from fullgraph.attention import AttentionMetadata
 from fullgraph.kernels import KernelConfig, kv_write, num_kv_splits, paged_attention, split_workspace_rows
 from fullgraph.kernels.paged_attention import MAX_SPLITS
 
@@ -240,17 +240,16 @@ def test_kv_write_skips_negative_slots_byte_exact():
     assert same.all(), f"{int((~same).sum())} cache elements differ from the expected bytes"
 
 
-def test_write_kv_alias_matches_torch_ops():
-    """``write_kv`` (the flash backend's import) takes torch_ops.write_kv's arguments, same bytes."""
-    from fullgraph.attention import torch_ops
-    from fullgraph.kernels import write_kv
+def test_kernel_write_matches_the_reference_write_bytes():
+    """The two KV writers (``KVWriter`` "kernel" and "reference") write the same bytes."""
+    from fullgraph.attention import reference as ref_ops
     gen = torch.Generator().manual_seed(17)
     k, v = torch.randn(2, 5, 2, 16, generator=gen).to(DEVICE)
     slots = torch.tensor([3, -1, 40, 16, -1], dtype=torch.int64, device=DEVICE)
     ours = torch.randn(2, 3, 16, 2, 16, generator=gen).to(DEVICE)
     theirs = ours.clone()
-    write_kv(ours, k, v, slots)
-    torch_ops.write_kv(theirs, k, v, slots)
+    kv_write(key=k, value=v, kv_cache=ours, slot_mapping=slots)
+    ref_ops.write_kv(theirs, k, v, slots)
     assert torch.equal(ours, theirs)
 
 
@@ -299,8 +298,9 @@ def make_backend(max_num_seqs=16, max_model_len=1024, page=16, heads=(4, 2), hea
     return get_backend_class("triton")(limits, [layer]), layer
 
 
-def metadata_of(b: Batch) -> AttentionMetadata:
-    return AttentionMetadata(b.query_start_loc, None, b.seq_lens, b.block_table, b.slot_mapping, b.decode, {})
+def metadata_of(b: Batch, backend) -> AttentionMetadata:
+    return AttentionMetadata(query_start_loc=b.query_start_loc, seq_lens=b.seq_lens, block_table=b.block_table,
+                             slot_mapping=b.slot_mapping, decode_only=b.decode, backends={"dense": backend})
 
 
 @pytest.mark.parametrize("num_reqs", [1, 4, 16], ids=["split", "split-small", "no-split"])
@@ -315,7 +315,7 @@ def test_backend_forward_writes_then_attends(num_reqs):
     full_cache = b.kv_cache.clone()
     b.kv_cache.view(2, -1, 2, 64)[:, b.slot_mapping[: b.num_tokens]] = NAN
     with poisoned_allocations():
-        out = backend.forward(layer, b.q, b.k, b.v, b.kv_cache, metadata_of(b))
+        out = layer(b.q, b.k, b.v, b.kv_cache, metadata_of(b, backend)).view(b.q.shape)
     assert torch.equal(b.kv_cache.nan_to_num(7.0), full_cache.nan_to_num(7.0))
     check(out, b)
 
@@ -324,8 +324,8 @@ def test_backend_decode_split_traces_under_torch_compile():
     backend, layer = make_backend()
     b = make_batch([(37, 1), (5, 1)], heads=(4, 2), pad_tokens=1, pad_reqs=1, decode=True, seed=16)
     assert backend.num_splits(3, 2) > 1
-    metadata = metadata_of(b)
-    compiled = torch.compile(lambda q, k, v, cache: backend.forward(layer, q, k, v, cache, metadata),
+    metadata = metadata_of(b, backend)
+    compiled = torch.compile(lambda q, k, v, cache: layer(q, k, v, cache, metadata).view(q.shape),
                              fullgraph=True, backend="aot_eager")
     check(compiled(b.q, b.k, b.v, b.kv_cache), b)
 

@@ -1,7 +1,8 @@
-"""Attention: the layer models use, the per-step metadata, and the backends behind them."""
+"""Attention: the layer models use, the backend interface, the reference path and the backends."""
 from .blocksparse import BlockSparseConfig
+from .interface import AttentionBackend, AttentionMetadata, BackendLimits, Rotary
 from .layer import Attention
-from .metadata import AttentionMetadata
 from . import backends
 
-__all__ = ["Attention", "BlockSparseConfig", "AttentionMetadata", "backends"]
+__all__ = ["Attention", "AttentionBackend", "AttentionMetadata", "BackendLimits", "BlockSparseConfig", "Rotary",
+           "backends"]

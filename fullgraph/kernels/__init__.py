@@ -5,7 +5,7 @@ Kernels know tensors and sizes only (no runner, model or policy imports).
 from __future__ import annotations
 
 from .activation import gegelu, silu_and_mul
-from .kv_write import kv_write, write_kv
+from .kv_write import kv_write
 from .linear import NO_LIMIT as linear_no_limit
 from .linear import linear
 from .norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
@@ -17,4 +17,4 @@ from .split_kv_reduce import split_kv_reduce
 
 __all__ = ["KernelConfig", "add_layer_norm", "add_rms_norm", "default_config", "gegelu", "kv_write",
            "layer_norm", "linear", "linear_no_limit", "num_kv_splits", "paged_attention", "rms_norm", "rope",
-           "rope_kv_write", "silu_and_mul", "split_kv_reduce", "split_workspace_rows", "write_kv"]
+           "rope_kv_write", "silu_and_mul", "split_kv_reduce", "split_workspace_rows"]

@@ -16,12 +16,12 @@ import torch
 import triton
 import triton.language as tl
 
-from . import ahead, pdl
+from . import compile_ahead, pdl
 
 BLOCK = 1024
 
 
-@ahead.kernel
+@compile_ahead.kernel
 @triton.jit
 def _gated_kernel(
     u_ptr, out_ptr,              # pointers

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import ahead, pdl
+from . import compile_ahead, pdl
 from .blocksparse_prefill import check_paged_inputs, dot_precision
 from .blocksparse_reduce import blocksparse_reduce
 
@@ -40,7 +40,7 @@ GROUP_BITS = 16  # entry = kb << GROUP_BITS | head bits (the group layout's form
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite running-max start: exp2(-inf - _NEG_BIG) = 0, never inf - inf
 
 
-@ahead.kernel
+@compile_ahead.kernel
 @triton.jit(do_not_specialize=["num_splits"])
 def _blocksparse_decode_kernel(
     # pointers

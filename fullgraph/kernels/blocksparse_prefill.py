@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import ahead, pdl
+from . import compile_ahead, pdl
 
 
 @triton.jit
@@ -83,7 +83,7 @@ def _attend_tile(acc, m_i, l_i, q, pos, k_cache_ptr, v_cache_ptr, block_table_ro
     return acc, m_new, l_i
 
 
-@ahead.kernel
+@compile_ahead.kernel
 @triton.jit(do_not_specialize=["num_reqs", "num_tokens"])
 def _blocksparse_prefill_kernel(
     # pointers

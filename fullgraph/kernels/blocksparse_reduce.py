@@ -16,12 +16,12 @@ import torch
 import triton
 import triton.language as tl
 
-from . import ahead, pdl
+from . import compile_ahead, pdl
 
 MIN_SPLITS_PAD = 16  # the split axis has at least this many lanes: one compiled variant up to 16 splits
 
 
-@ahead.kernel
+@compile_ahead.kernel
 @triton.jit(do_not_specialize=["num_splits"])
 def _blocksparse_reduce_kernel(
     # pointers

@@ -18,10 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
-from . import ahead, pdl
+from . import compile_ahead, pdl
 
 
-@ahead.kernel
+@compile_ahead.kernel
 @triton.jit
 def _kv_write_kernel(
         # pointers
@@ -91,7 +91,3 @@ def kv_write(*, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                          f"{slot_mapping.dtype}); kv_cache stride {kv_cache.stride()} must end in 1")
     torch.ops.fullgraph.kv_write(key, value, kv_cache, slot_mapping)
 
-
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """:func:`kv_write` with ``attention.torch_ops.write_kv``'s positional signature (drop-in)."""
-    kv_write(key=k, value=v, kv_cache=kv_cache, slot_mapping=slot_mapping)

@@ -21,10 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
-from . import ahead, pdl
+from . import compile_ahead, pdl
 
 
-@ahead.kernel
+@compile_ahead.kernel
 @triton.jit
 def _linear_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr,

@@ -18,10 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
-from . import ahead, pdl
+from . import compile_ahead, pdl
 
 
-@ahead.kernel
+@compile_ahead.kernel
 @triton.jit
 def _norm_kernel(
     x_ptr, res_ptr, w_ptr, b_ptr, y_ptr, h_ptr,     # pointers

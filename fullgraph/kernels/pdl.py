@@ -20,23 +20,22 @@ across kernels launched without PDL, whose dependents simply start after they fi
 
 Recorded by CUDA stream capture as programmatic graph edges, so captured steps keep it. Off on
 CPU, under ``TRITON_INTERPRET``, before Hopper, on a Triton without ``gdc_wait``, or with
-``FULLGRAPH_PDL=0`` in the environment (read once).
+``FULLGRAPH_PDL=0`` in the environment (``fullgraph.env``, read once).
 """
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-ENV = "FULLGRAPH_PDL"
+from .. import env
 
 
 @functools.cache
 def _enabled(device_index: int) -> bool:
-    if os.environ.get(ENV, "1") == "0" or os.environ.get("TRITON_INTERPRET") == "1":
+    if env.pdl_disabled() or env.triton_interpret():
         return False
     cuda = getattr(getattr(tl, "extra", None), "cuda", None)
     if cuda is None or not hasattr(cuda, "gdc_wait") or not hasattr(cuda, "gdc_launch_dependents"):

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import ahead, pdl
+from . import compile_ahead, pdl
 
 
 @triton.jit
@@ -38,7 +38,7 @@ def _rotate(x_ptr, out_ptr, row, num_heads, group, stride_t, stride_g, stride_h,
     tl.store(dst + HALF, (x2f * c + x1f * s).to(x1.dtype), mask=mask)
 
 
-@ahead.kernel
+@compile_ahead.kernel
 @triton.jit
 def _rope_kernel(
     q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,   # pointers

@@ -26,11 +26,11 @@ import torch
 import triton
 import triton.language as tl
 
-from . import ahead, pdl
+from . import compile_ahead, pdl
 from .rope import _rotate
 
 
-@ahead.kernel
+@compile_ahead.kernel
 @triton.jit
 def _rope_kv_write_kernel(
         # pointers

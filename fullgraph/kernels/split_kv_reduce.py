@@ -16,10 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
-from . import ahead, pdl
+from . import compile_ahead, pdl
 
 
-@ahead.kernel
+@compile_ahead.kernel
 @triton.jit
 def _split_kv_reduce_kernel(
         # pointers

@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..attention import Attention, AttentionMetadata
+from ..attention import Attention
+from .base import DecoderLM
 from .layers import (Linear, PreNormDecoderLayer, RMSNorm, RotaryEmbedding, init_random_, kernels, llama3_inv_freq,
                      rope_inv_freq, silu_and_mul)
 from .loading import fuse, load_config, load_safetensors_dir
@@ -59,6 +60,21 @@ class LlamaConfig:
                    tie_word_embeddings=True,
                    rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+
+    @classmethod
+    def llama_8b(cls) -> LlamaConfig:
+        """The Llama-3.1-8B shape (random weights unless loaded)."""
+        return cls(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                   num_kv_heads=8, head_dim=128, rope_theta=500000.0, max_position_embeddings=131072,
+                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+
+    @classmethod
+    def smollm2_135m(cls) -> LlamaConfig:
+        """The SmolLM2-135M shape: 30 thin layers (hidden 576, 9 heads / 3 KV heads of 64), tied."""
+        return cls(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                   num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
+                   max_position_embeddings=8192, tie_word_embeddings=True)
 
     @classmethod
     def from_hf(cls, hf: dict) -> LlamaConfig:
@@ -120,7 +136,7 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
         self.mlp = LlamaMLP(c, **factory)
 
 
-class Llama(nn.Module):
+class Llama(DecoderLM):
     """Llama causal LM following the model protocol (see ``fullgraph.models.base``).
 
     Args:
@@ -135,7 +151,7 @@ class Llama(nn.Module):
         super().__init__()
         c, factory = config, {"dtype": dtype, "device": device}
         self.config = config
-        self.vocab_size = c.vocab_size
+        self.vocab_size, self.max_model_len = c.vocab_size, c.max_position_embeddings
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, **factory)
         self.layers = nn.ModuleList(LlamaDecoderLayer(c, **factory) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, **factory)
@@ -149,20 +165,6 @@ class Llama(nn.Module):
         if seed is not None:
             init_random_(self, seed)
 
-    def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.layers]
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                metadata: AttentionMetadata) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None                  # (T, hidden)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, positions, self.rotary, kv_cache, metadata)
-        return self.norm(x, residual)[0]
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return (hidden @ weight.t()).float()                              # (N, vocab) float32
-
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype = torch.float32,
                         device: torch.device | str | None = None) -> Llama:
@@ -173,7 +175,8 @@ class Llama(nn.Module):
         return model
 
     def load_hf_state_dict(self, hf: dict[str, torch.Tensor]) -> None:
-        """Copy a Hugging Face Llama state dict in (strict: a missing or unknown tensor raises)."""
+        """Copy a Hugging Face Llama state dict in (strict: a missing, unknown or misshapen tensor
+        raises ``ValueError`` naming it)."""
         sd = {k.removeprefix("model."): v for k, v in hf.items() if "rotary_emb" not in k}
         if self.lm_head is None:
             sd.pop("lm_head.weight", None)
@@ -182,4 +185,4 @@ class Llama(nn.Module):
             for kind in ("weight", "bias") if self.config.attention_bias else ("weight",):
                 fuse(sd, p + f"self_attn.qkv_proj.{kind}", [p + f"self_attn.{n}_proj.{kind}" for n in "qkv"])
             fuse(sd, p + "mlp.gate_up_proj.weight", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
-        self.load_state_dict(sd, strict=True)
+        self.load_own_state(sd, source="checkpoint", prefix="model.")

@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..attention import Attention, AttentionMetadata, BlockSparseConfig
+from ..attention import Attention, BlockSparseConfig
+from .base import DecoderLM
 from .layers import (LayerNorm, Linear, PreNormDecoderLayer, RotaryEmbedding, init_random_, kernels, rope_inv_freq,
                      use_kernels)
 from .loading import load_config, load_safetensors_dir
@@ -226,7 +227,7 @@ class Phi3SmallDecoderLayer(PreNormDecoderLayer):
         self.mlp = Phi3SmallMLP(c, **factory)
 
 
-class Phi3Small(nn.Module):
+class Phi3Small(DecoderLM):
     """Phi-3-Small causal LM following the model protocol (see ``fullgraph.models.base``). ``seed``:
     random weights (``init_random_``; embeddings ~ N(0, 1/mup_embedding_multiplier)), None before loading.
 
@@ -252,6 +253,7 @@ class Phi3Small(nn.Module):
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, **factory)
         self.layers = nn.ModuleList(Phi3SmallDecoderLayer(c, i, **factory) for i in range(c.num_hidden_layers))
         self.final_layernorm = LayerNorm(c.hidden_size, c.layer_norm_epsilon, **factory)
+        self.lm_head = None  # tied: the embedding is the LM head
         inv_freq, mscale, self.rope_factors = rope_inv_freq(c.head_dim, c.rope_embedding_base), 1.0, None
         if c.rope_scaling is not None:
             long = self.max_model_len > c.rope_scaling.original_max_position_embeddings
@@ -263,19 +265,14 @@ class Phi3Small(nn.Module):
         if seed is not None:
             init_random_(self, seed, embedding_std=1.0 / c.mup_embedding_multiplier)
 
-    def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.layers]
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) * self.config.mup_embedding_multiplier   # (T, hidden)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                metadata: AttentionMetadata) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids) * self.config.mup_embedding_multiplier, None  # (T, hidden)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, positions, self.rotary, kv_cache, metadata)
-        return self.final_layernorm(x, residual)[0]
+    def final_norm(self) -> nn.Module:
+        return self.final_layernorm
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = (hidden @ self.embed_tokens.weight.t()).float() / self.config.mup_width_multiplier  # (N, vocab)
-        return logits.masked_fill(self.dummy_mask, float("-inf"))
+    def scale_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return (logits / self.config.mup_width_multiplier).masked_fill(self.dummy_mask, float("-inf"))
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype = torch.float32,
@@ -290,13 +287,4 @@ class Phi3Small(nn.Module):
         """Copy a checkpoint state dict in. Strict: a missing, unknown or misshapen tensor raises
         ``ValueError`` naming it. ``lm_head.weight`` is ignored (tied to ``embed_tokens``)."""
         sd = {k.removeprefix("model."): v for k, v in hf.items() if "rotary_emb" not in k and k != "lm_head.weight"}
-        own = self.state_dict()
-        missing, unknown = sorted(set(own) - set(sd)), sorted(set(sd) - set(own))
-        if missing or unknown:
-            raise ValueError(f"checkpoint does not match Phi3Small: missing {['model.' + k for k in missing]}, "
-                             f"unknown {['model.' + k for k in unknown]}")
-        bad = [f"model.{k}: {tuple(v.shape)} != {tuple(own[k].shape)}" for k, v in sd.items()
-               if v.shape != own[k].shape]
-        if bad:
-            raise ValueError(f"checkpoint tensors have wrong shapes (got != expected): {bad}")
-        self.load_state_dict(sd, strict=True)
+        self.load_own_state(sd, source="checkpoint", prefix="model.")

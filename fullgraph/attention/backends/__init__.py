@@ -1,9 +1,10 @@
-"""Attention backends. Importing this package registers every backend and its padding policy."""
+"""Attention backends. Importing this package registers every built-in backend."""
 from __future__ import annotations
 
 import logging
 
-from .base import AttentionBackend, BackendLimits, available_backends, get_backend_class, register_backend
+from ..interface import (AttentionBackend, BackendLimits, available_backends, get_backend_class, register_backend,
+                         unregister_backend)
 from . import blocksparse, flash, sdpa, triton  # noqa: F401  (registers the backends)
 
 logger = logging.getLogger("fullgraph")
@@ -13,43 +14,55 @@ DENSE_PREFERENCE = ("triton", "flash", "sdpa")
 KIND_DEFAULTS = {"blocksparse": "blocksparse"}
 
 
-def _pick_dense(name: str, layers, limits: BackendLimits) -> str:
-    if name != "auto":
-        reason = get_backend_class(name).unsupported_reason(limits.device, limits.dtype, layers)
+
+def backend_class(choice: str | type[AttentionBackend]) -> type[AttentionBackend]:
+    """A registered backend's class by name, or a backend class itself (registered or not)."""
+    if isinstance(choice, type):
+        if not issubclass(choice, AttentionBackend):
+            raise ValueError(f"attention={choice.__qualname__}: not a subclass of AttentionBackend")
+        return choice
+    return get_backend_class(choice)
+
+
+def _pick_dense(choice: str | type[AttentionBackend], layers, limits: BackendLimits) -> type[AttentionBackend]:
+    if choice != "auto":
+        cls = backend_class(choice)
+        reason = cls.unsupported_reason(limits.device, limits.dtype, layers)
         if reason:
-            raise ValueError(f"attention backend {name!r} cannot serve this model here: {reason}")
-        return name
+            raise ValueError(f"attention backend {cls.name!r} cannot serve this model here: {reason}")
+        return cls
     if limits.device.type != "cuda":
-        return "sdpa"  # the kernels only run interpreted off CUDA: correct, but not fast
+        return get_backend_class("sdpa")  # the kernels only run interpreted off CUDA: correct, but not fast
     reasons = {}
     for candidate in DENSE_PREFERENCE:
         if candidate not in available_backends() or not get_backend_class(candidate).supports_context():
             continue
-        reasons[candidate] = get_backend_class(candidate).unsupported_reason(limits.device, limits.dtype, layers)
+        cls = get_backend_class(candidate)
+        reasons[candidate] = cls.unsupported_reason(limits.device, limits.dtype, layers)
         if reasons[candidate] is None:
             logger.info("fullgraph: attention='auto' picked %r (%s, %s)", candidate, limits.device, limits.dtype)
-            return candidate
+            return cls
     raise ValueError(f"no dense attention backend can serve this model: {reasons}")
 
 
-def resolve_backends(dense: str, layers, limits: BackendLimits) -> tuple[dict[str, AttentionBackend], str]:
-    """One backend instance per layer kind; returns (kind -> backend, resolved dense name)."""
+def resolve_backends(dense: str | type[AttentionBackend], layers,
+                     limits: BackendLimits) -> tuple[dict[str, AttentionBackend], type[AttentionBackend]]:
+    """One backend instance per layer kind; returns (kind -> backend, the dense backend's class)."""
     by_kind: dict[str, list] = {}
     for layer in layers:
         by_kind.setdefault(layer.kind, []).append(layer)
-    dense_name = _pick_dense(dense, by_kind.get("dense", layers), limits)
+    dense_cls = _pick_dense(dense, by_kind.get("dense", layers), limits)
     out: dict[str, AttentionBackend] = {}
     for kind, kind_layers in by_kind.items():
-        name = dense_name if kind == "dense" else KIND_DEFAULTS.get(kind, kind)
-        cls = get_backend_class(name)
+        cls = dense_cls if kind == "dense" else get_backend_class(KIND_DEFAULTS.get(kind, kind))
         if kind not in cls.kinds:
-            raise ValueError(f"attention backend {name!r} serves {sorted(cls.kinds)} layers, not {kind!r}")
+            raise ValueError(f"attention backend {cls.name!r} serves {sorted(cls.kinds)} layers, not {kind!r}")
         reason = cls.unsupported_reason(limits.device, limits.dtype, kind_layers)
         if reason:
-            raise ValueError(f"attention backend {name!r} cannot serve the {kind} layers here: {reason}")
+            raise ValueError(f"attention backend {cls.name!r} cannot serve the {kind} layers here: {reason}")
         out[kind] = cls(limits, kind_layers)
-    return out, dense_name
+    return out, dense_cls
 
 
-__all__ = ["AttentionBackend", "BackendLimits", "available_backends", "get_backend_class",
-           "register_backend", "resolve_backends"]
+__all__ = ["AttentionBackend", "BackendLimits", "available_backends", "backend_class", "get_backend_class",
+           "register_backend", "resolve_backends", "unregister_backend"]

@@ -8,10 +8,11 @@ Two implementations behind one contract, picked once at construction:
   decode tokens of a mixed step are 1-token chunks); decode-only steps run the GQA-packed split-KV
   paged decode kernel over a :class:`BlockSparseGroupLayout` (each KV head reads the union of its
   query heads' blocks once), whose partial buffers are allocated here, once, from
-  ``BackendLimits``. The KV write applies RoPE too (``fuses_rope``): ``rope_kv_write`` rotates q and stores rotated keys
+  ``BackendLimits``. Its KV writer is the Triton one: ``rope_kv_write`` rotates q and stores rotated keys
   and values in one launch, where RoPE and then the write took two.
 - ``"torch"`` (CPU otherwise; also the test path): plain PyTorch over the gathered pages with the
-  pattern computed from positions on the fly; no dense ``max_len x max_len`` mask is ever stored.
+  pattern computed from positions on the fly; no dense ``max_len x max_len`` mask is ever stored;
+  the plain-PyTorch KV write.
 
 Capture-safe: ``forward`` has no host syncs, no data-dependent shapes and branches only on
 ``metadata.decode_only`` and tensor shapes. Heads are global (``head_offset``), so prefill, decode
@@ -20,15 +21,15 @@ and every tensor-parallel rank use the same pattern.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
+from ... import env
 from ...padding import PaddingPolicy
-from .. import torch_ops
+from .. import reference
 from ..blocksparse import BlockSparseConfig, BlockSparseGroupLayout, BlockSparseLayout, build_group_layout, build_layout
-from ..metadata import AttentionMetadata
-from .base import AttentionBackend, BackendLimits, register_backend
+from ..interface import AttentionBackend, AttentionMetadata, BackendLimits, register_backend
+from ..kv_writer import KVWriter
 
 logger = logging.getLogger("fullgraph")
 IMPLS = ("auto", "triton", "torch")
@@ -62,7 +63,7 @@ class BlockSparseBackend(AttentionBackend):
         for layer in layers:
             layer.sparse.check_page_size(limits.block_size)
         self.impl = self._pick_impl(impl, limits, layers)
-        self._write_kv = torch_ops.write_kv
+        self.kv_writer = KVWriter("kernel" if self.impl == "triton" else "reference")
         self._layouts: dict[tuple[BlockSparseConfig, int], BlockSparseLayout] = {}
         self._group_layouts: dict[tuple[BlockSparseConfig, int, int], BlockSparseGroupLayout] = {}
         if self.impl == "triton":
@@ -77,9 +78,8 @@ class BlockSparseBackend(AttentionBackend):
             raise ValueError(f"blocksparse impl='triton' cannot serve these layers: {reason}")
         if impl != "auto":
             return impl
-        # Read once, here: the interpreter runs the same kernels on CPU tensors.
-        interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-        if limits.device.type != "cuda" and not interpret:
+        # the interpreter runs the same kernels on CPU tensors
+        if limits.device.type != "cuda" and not env.triton_interpret():
             return "torch"
         if reason:
             logger.info("fullgraph: blocksparse uses the PyTorch path: %s", reason)
@@ -90,10 +90,6 @@ class BlockSparseBackend(AttentionBackend):
         # Imported here: Triton kernels are defined in interpreter or compiled mode at import time.
         from ...kernels.blocksparse_decode import blocksparse_decode, decode_num_splits
         from ...kernels.blocksparse_prefill import blocksparse_prefill
-        from ...kernels.kv_write import write_kv
-        from ...kernels.rope_kv_write import rope_kv_write
-        self._rope_kv_write = rope_kv_write
-        self._write_kv = write_kv  # one launch, where the reference write is about seven
         self._prefill, self._decode, self._num_splits = blocksparse_prefill, blocksparse_decode, decode_num_splits
         for layer in layers:
             key = (layer.sparse, layer.num_heads)
@@ -121,20 +117,14 @@ class BlockSparseBackend(AttentionBackend):
         """The per-KV-head union layout serving ``layer``'s decode (Triton implementation only)."""
         return self._group_layouts[(layer.sparse, layer.num_heads, layer.num_kv_heads)]
 
-    @property
-    def fuses_rope(self) -> bool:
-        """RoPE folds into the KV write on the Triton implementation only."""
-        return self.impl == "triton"
+    def workspaces(self) -> dict[str, torch.Tensor]:
+        if self.impl != "triton":
+            return {}
+        return {"partial_out": self._partial_out, "partial_ml": self._partial_ml}
 
-    def forward(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata, *, rope=None, positions: torch.Tensor | None = None) -> torch.Tensor:
-        # q: (T, H, D), or unrotated (T, H, D) / (T, KVH, G, D) with rope; k, v: (T, KVH, D) -> (T, H, D)
-        slot_mapping = metadata.require("slot_mapping", self.name)
-        if rope is None:
-            self._write_kv(kv_cache, k, v, slot_mapping)
-        else:  # fuses_rope, so the Triton implementation
-            q = self._rope_kv_write(query=q, key=k, value=v, kv_cache=kv_cache, slot_mapping=slot_mapping,
-                              positions=positions, cos=rope.cos, sin=rope.sin)   # (T, H, D)
+    def forward(self, layer, q: torch.Tensor, k, v, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        # q: (T, H, D) rotated; kv_cache holds this step's keys -> (T, H, D)
         qsl = metadata.require("query_start_loc", self.name)
         seq_lens = metadata.require("seq_lens", self.name)
         block_table = metadata.require("block_table", self.name)
@@ -155,10 +145,10 @@ class BlockSparseBackend(AttentionBackend):
 def blocksparse_attention_torch(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                                 seq_lens: torch.Tensor, block_table: torch.Tensor, *, scale: float,
                                 decode_only: bool, sparse: BlockSparseConfig) -> torch.Tensor:
-    """Plain-PyTorch block-sparse paged attention; shapes as ``torch_ops.paged_attention``.
+    """Plain-PyTorch block-sparse paged attention; shapes as ``reference.paged_attention``.
 
     The pattern is computed per step from positions (``BlockSparseConfig.keep``), sized by the
     padded step (R, H, Qm, L), never max_len x max_len.
     """
-    return torch_ops.paged_attention_op(q, kv_cache, query_start_loc, seq_lens, block_table, scale,
+    return reference.paged_attention_op(q, kv_cache, query_start_loc, seq_lens, block_table, scale,
                                         decode_only, sparse.as_ints())

@@ -1,12 +1,12 @@
 """``triton``: the Triton paged-attention backend (CUDA; CPU only under ``TRITON_INTERPRET=1``).
 
-``forward`` runs two launches per layer. The first puts the step's new keys/values in the cache at
-``slot_mapping`` (slot -1 skipped, so padding never touches the cache): the backend ``fuses_rope``,
-so ``Attention`` hands it unrotated q and k with the rotation and ``rope_kv_write`` rotates q and
-stores rotated keys (the rotated k never exists as a tensor); given rotated q and k (kernels off),
-plain ``kv_write``. Then one ``paged_attention`` launch reads every key from the cache for the whole
-step: prefill, chunked prefill with cached context, decode and mixed batches alike. Decode steps
-split long contexts over several programs (split-KV) and merge the partials in a second, tiny launch.
+A layer runs two launches. Before ``forward``, the layer's KV writer (``kv_write = "kernel"``)
+puts the step's new keys/values in the cache at ``slot_mapping`` (slot -1 skipped, so padding
+never touches the cache), rotating q and the keys in the same launch (``rope_kv_write``) where
+the rotary embedding allows. Then ``forward`` runs one ``paged_attention`` launch that reads every
+key from the cache for the whole step: prefill, chunked prefill with cached context, decode and
+mixed batches alike. Decode steps split long contexts over several programs (split-KV) and merge
+the partials in a second, tiny launch.
 
 Capture-safe, because:
 * both launchers take their grids from static shapes (T, R, the block-table width) and read the
@@ -23,16 +23,15 @@ from __future__ import annotations
 
 import torch
 
+from ... import env
 from ...padding import PaddingPolicy
-from ..metadata import AttentionMetadata
-from .base import AttentionBackend, BackendLimits, register_backend
+from ..interface import AttentionBackend, AttentionMetadata, BackendLimits, register_backend
 
 try:
-    from ...kernels import kv_write, num_kv_splits, paged_attention, rope_kv_write, split_workspace_rows
-    from ...kernels.paged_attention import INTERPRET
+    from ...kernels import num_kv_splits, paged_attention, split_workspace_rows
     _IMPORT_ERROR: str | None = None
 except ImportError as exc:  # triton missing (e.g. macOS): the backend reports itself unsupported
-    INTERPRET, _IMPORT_ERROR = False, f"the Triton kernels cannot be imported ({exc})"
+    _IMPORT_ERROR = f"the Triton kernels cannot be imported ({exc})"
 
 MIN_PAGE_SIZE = 16
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -52,7 +51,7 @@ class TritonBackend(AttentionBackend):
 
     name = "triton"
     kinds = frozenset({"dense"})
-    fuses_rope = True
+    kv_write = "kernel"
     policy = PaddingPolicy(
         name="triton",
         reads=frozenset({"query_start_loc", "seq_lens", "block_table", "slot_mapping"}),
@@ -79,7 +78,8 @@ class TritonBackend(AttentionBackend):
                                         self.num_sms) * layer.num_heads
             out_numel = max(out_numel, rows * (1 << (layer.head_dim - 1).bit_length()))
             lse_numel = max(lse_numel, rows)
-        # Shared by every layer: layers run one after another on one stream.
+        # Shared by every layer: layers run one after another on one stream. Every split writes
+        # its rows before the reduce reads them, so validate mode may poison them (workspaces).
         self.part_out = torch.empty(out_numel, dtype=torch.float32, device=device)
         self.part_lse = torch.empty(lse_numel, dtype=torch.float32, device=device)
 
@@ -88,36 +88,34 @@ class TritonBackend(AttentionBackend):
         if _IMPORT_ERROR:
             return _IMPORT_ERROR
         device = torch.device(device)
-        if device.type != "cuda" and not INTERPRET:
+        if device.type != "cuda" and not env.triton_interpret():
             return f"needs a CUDA device (got {device}); on CPU set TRITON_INTERPRET=1 before importing fullgraph"
         if dtype not in DTYPES:
             return f"dtype {dtype} is unsupported (need one of {[str(d) for d in DTYPES]})"
-        if device.type == "cuda" and not INTERPRET and dtype == torch.bfloat16 \
+        if device.type == "cuda" and not env.triton_interpret() and dtype == torch.bfloat16 \
                 and torch.cuda.get_device_capability(device) < (8, 0):
             return "bfloat16 tensor-core dots need compute capability >= 8.0"
         for layer in layers:
             reason = _head_dim_reason(layer.head_dim)
             if reason:
                 return reason
+            if layer.sliding_window:
+                return "sliding-window layers are not supported by this backend yet (use attention='sdpa')"
         return None
 
     def num_splits(self, num_reqs: int, num_kv_heads: int) -> int:
         """Split-KV count of a decode step with R = ``num_reqs`` (static per graph key)."""
         return num_kv_splits(num_reqs, num_kv_heads, self.limits.max_model_len, self.num_sms)
 
-    def forward(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata, *, rope=None, positions: torch.Tensor | None = None) -> torch.Tensor:
-        # q: (T, H, D), or unrotated (T, H, D) / (T, KVH, G, D) with rope; k, v: (T, KVH, D);
-        # kv_cache: (2, num_blocks, block_size, KVH, D) -> (T, H, D)
+    def workspaces(self) -> dict[str, torch.Tensor]:
+        return {"part_out": self.part_out, "part_lse": self.part_lse}
+
+    def forward(self, layer, q: torch.Tensor, k, v, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        # q: (T, H, D) rotated; kv_cache: (2, num_blocks, block_size, KVH, D), this step's keys in it -> (T, H, D)
         query_start_loc = metadata.require("query_start_loc", self.name)
         seq_lens = metadata.require("seq_lens", self.name)
         block_table = metadata.require("block_table", self.name)
-        slot_mapping = metadata.require("slot_mapping", self.name)
-        if rope is None:
-            kv_write(key=k, value=v, kv_cache=kv_cache, slot_mapping=slot_mapping)
-        else:
-            q = rope_kv_write(query=q, key=k, value=v, kv_cache=kv_cache, slot_mapping=slot_mapping,
-                              positions=positions, cos=rope.cos, sin=rope.sin)   # (T, H, D)
         # The decode kernel maps token i to request i; any other decode layout takes the general path.
         decode = metadata.decode_only and block_table.shape[0] == q.shape[0]
         splits = self.num_splits(block_table.shape[0], layer.num_kv_heads) if decode else 1

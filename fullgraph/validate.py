@@ -1,25 +1,27 @@
-"""Strict mode (``validate=True``): prove each padded step touched only what it owns.
+"""Validate mode (``RunnerConfig(validate=True)``): prove each padded step touched only what it owns.
 
-Before the step: every static buffer past the step's bucket is filled with garbage, the logits
-buffer and the null block with NaN, and the KV cache is snapshotted. After: no NaN in a real
-logits row (-inf is allowed: models mask token ids with it), and the only KV slots whose bytes changed are the real tokens' slots (the null
-block included). A violation raises ``StrictModeError`` naming the layer, slot and field.
-Costs a copy of the whole KV cache per step: for tests and debugging, not serving.
+One mode, three parts: ``padding.check`` verifies the padded plan's invariants before the step;
+then this module *poisons* — every static buffer past the step's bucket is filled with garbage,
+the outputs, the backends' workspaces and the null block with NaN — and snapshots the KV cache;
+after the step: no NaN in a real logits row (-inf is allowed: models mask token ids with it), and
+the only KV slots whose bytes changed are the real tokens' slots (the null block included). A
+violation raises ``ValidationError`` naming the layer, slot and field. Costs a copy of the whole
+KV cache per step: for tests and debugging, not serving.
 """
 from __future__ import annotations
 
 import torch
 
-from .plan import StepPlan
+from .fields import StepPlan
 
 GARBAGE = -(2**30)  # far outside every index range: a kernel reading past its bucket would fault or diverge
 
 
-class StrictModeError(RuntimeError):
+class ValidationError(RuntimeError):
     """A step wrote or produced something it must not have."""
 
 
-class StrictChecker:
+class StepValidator:
     def __init__(self, buffers, kv_caches: list[torch.Tensor], block_size: int) -> None:
         self.buffers, self.kv_caches, self.block_size = buffers, kv_caches, block_size
         self._snapshot: list[torch.Tensor] = []
@@ -34,7 +36,7 @@ class StrictChecker:
     def after(self, plan: StepPlan, logits: torch.Tensor) -> None:
         bad = torch.isnan(logits[: plan.num_reqs]).any(-1)  # -inf is legitimate (masked token ids)
         if bad.any():
-            raise StrictModeError(f"NaN logits in real row {int(bad.nonzero()[0])} "
+            raise ValidationError(f"NaN logits in real row {int(bad.nonzero()[0])} "
                                   "(poison from a padded buffer tail, the null block or stale output)")
         real = torch.from_numpy(plan.slot_mapping[: plan.num_tokens]).to(logits.device)
         for layer, (old, new) in enumerate(zip(self._snapshot, self.kv_caches)):
@@ -44,7 +46,7 @@ class StrictChecker:
             changed[real] = False
             if changed.any():
                 slot = int(changed.nonzero()[0])
-                raise StrictModeError(
+                raise ValidationError(
                     f"layer {layer}: KV slot {slot} (block {slot // self.block_size}, offset "
                     f"{slot % self.block_size}) changed but belongs to no real token of this step "
                     "(a KV write ignored slot_mapping = -1?)")

@@ -86,7 +86,7 @@ def group_queries(q: torch.Tensor, query_start_loc: torch.Tensor, num_reqs: int,
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, block_table: torch.Tensor, *, scale: float,
-                    decode_only: bool, keep: KeepFn | None = None) -> torch.Tensor:
+                    decode_only: bool, keep: KeepFn | None = None, window: int = 0) -> torch.Tensor:
     """Causal attention of packed new tokens over each request's paged sequence.
 
     q: (T, H, D); kv_cache: (2, NB, bs, KVH, D); query_start_loc: (R+1,); seq_lens: (R,);
@@ -109,6 +109,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     q_max = grouped.shape[1]
     q_pos = (seq_lens - q_lens)[:, None] + torch.arange(q_max, device=q.device)[None, :]  # (R, Qm)
     mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & key_ok[:, None, :]           # (R, Qm, L)
+    if window:  # sliding window: key k is visible to query q iff q - window < k <= q
+        mask = mask & (key_pos[None, None, :] > q_pos[:, :, None] - window)
     if keep is not None:
         mask = mask.unsqueeze(1) & keep(q_pos[:, :, None], key_pos[None, None, :])     # (R, H, Qm, L)
     # Never an empty row (softmax of nothing is NaN): a row with no key (a padded request) gets
@@ -137,7 +139,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
 @torch.library.custom_op("fullgraph::paged_attention_reference", mutates_args=())
 def paged_attention_op(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                        seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, decode_only: bool,
-                       sparse: list[int] | None = None) -> torch.Tensor:
+                       sparse: list[int] | None = None, window: int = 0) -> torch.Tensor:
     """``paged_attention`` as one opaque op: ``torch.compile`` runs exactly the eager reference
     (Inductor's own lowering of this gather/mask/SDPA graph diverged on CUDA). ``sparse`` is the
     block-sparse pattern as ints ``[block_size, local_blocks, vert_stride, head_step, head_offset]``
@@ -147,11 +149,11 @@ def paged_attention_op(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc:
     num_heads = q.shape[1]
     keep = None if sparse is None else (lambda q_pos, k_pos: keep_mask(q_pos, k_pos, sparse, num_heads))
     return paged_attention(q, kv_cache, query_start_loc, seq_lens, block_table, scale=scale,
-                           decode_only=decode_only, keep=keep)
+                           decode_only=decode_only, keep=keep, window=window)
 
 
 @paged_attention_op.register_fake
-def _(q, kv_cache, query_start_loc, seq_lens, block_table, scale, decode_only, sparse=None):
+def _(q, kv_cache, query_start_loc, seq_lens, block_table, scale, decode_only, sparse=None, window=0):
     return torch.empty_like(q)
 
 
@@ -161,66 +163,71 @@ def _(q, kv_cache, query_start_loc, seq_lens, block_table, scale, decode_only, s
 # that depends only on the step (which slot each key comes from, which keys are masked) is built
 # once per step by ``decode_index`` and shared by every layer.
 #
-# Two choices, passed to the ops by the caller. The backend passes these module settings, read
-# when it runs or is traced, so variants can be timed against each other in one process; tests
-# cover every pair.
-# - ``DECODE_GATHER``: "slots" indexes ``kv_cache.view(2 * num_slots, KVH * D)`` along its first
-#   dim with one contiguous int64 index, an entry per (K or V, key, request), each copying a whole
-#   slot (all KV heads of one position). That is the case CUDA's ``index`` runs as its vectorized
-#   gather (a CTA per entry, 16-byte loads; slot bytes and the cache address must be multiples of
-#   16, else it falls back to the element-wise kernel). "rows" (the earlier layout) indexes
+# Two choices, passed to the ops by the caller (``SdpaBackend.decode_gather`` /
+# ``decode_attention``: a subclass changes them, so variants can be timed against each other in
+# one process; tests cover every pair).
+# - gather "slots" indexes ``kv_cache.view(2 * num_slots, KVH * D)`` along its first dim with one
+#   contiguous int64 index, an entry per (K or V, key, request), each copying a whole slot (all KV
+#   heads of one position). That is the case CUDA's ``index`` runs as its vectorized gather (a CTA
+#   per entry, 16-byte loads; slot bytes and the cache address must be multiples of 16, else it
+#   falls back to the element-wise kernel). "rows" (the earlier layout) indexes
 #   ``kv_cache.view(2, -1, D)[:, rows]``, an entry per (request, KV head, key): a 3-D iteration,
 #   always the element-wise index kernel.
-# - ``DECODE_ATTENTION``: "matmul": baddbmm (bias copy + QK^T), softmax over the last dim, bmm.
+# - attention "matmul": baddbmm (bias copy + QK^T), softmax over the last dim, bmm.
 #   "matmul_keys": the same with the scores laid out (R*KVH, L, G), so the softmax reduces over a
 #   middle dim: CUDA's spatial kernel, a block of threads per (request, KV head), instead of a
 #   warp per (request, query head). "sdpa": one ``F.scaled_dot_product_attention`` call.
-# The defaults are the fastest pair measured on an H200 (llama-1b batch 1, BENCHMARKS.md): step
-# 1.312 ms with "slots" + "matmul", against 1.408 ("rows" + "matmul"), 1.638 ("slots" +
+# The backend's defaults are the fastest pair measured on an H200 (llama-1b batch 1, BENCHMARKS.md):
+# step 1.312 ms with "slots" + "matmul", against 1.408 ("rows" + "matmul"), 1.638 ("slots" +
 # "matmul_keys") and 1.711 ("rows" + "matmul_keys").
-DECODE_GATHER = "slots"
-DECODE_ATTENTION = "matmul"
+DECODE_GATHERS = ("slots", "rows")
 
 
-def _key_slots(seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: int) -> torch.Tensor:
+def _key_slots(seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: int, window: int) -> torch.Tensor:
     """(R, L) int64: the cache slot each key is read from, L = MB * block_size.
 
-    Key l < seq_len comes from its own slot. Masking alone cannot hide a key: 0 * NaN is NaN, so
-    a masked key whose K or V is NaN (the strict-mode null block, a stale slot) would still poison
-    the row. Keys past ``seq_len`` therefore read the request's own position 0, which it has
-    always written; a padded request (seq_len 0) reads request 0's position 0 (written whenever
-    the step has a real request, since padding comes last).
+    Key l of the request's visible range (``[seq_len - window, seq_len)``, or ``[0, seq_len)``
+    without a window) comes from its own slot. Masking alone cannot hide a key: 0 * NaN is NaN, so
+    a masked key whose K or V is NaN (the validate-mode null block, a stale slot) would still poison
+    the row. Every other key therefore reads the request's newest position ``seq_len - 1``, which
+    this very step wrote; a padded request (seq_len 0) reads request 0's (written whenever the step
+    has a real request, since padding comes last).
     """
     num_reqs, max_blocks = block_table.shape
     table = block_table.long()                                                   # int64 once
     offsets = torch.arange(block_size, device=table.device)
     slots = torch.add(offsets, table[:, :, None], alpha=block_size).view(num_reqs, -1)  # (R, L)
-    first = torch.where(seq_lens[:, None] > 0, slots[:, :1], slots[:1, :1])         # (R, 1): position 0
+    newest = slots.gather(1, (seq_lens.long() - 1).clamp(min=0)[:, None])           # (R, 1)
+    newest = torch.where(seq_lens[:, None] > 0, newest, newest[:1])
     pos = torch.arange(max_blocks * block_size, device=table.device, dtype=seq_lens.dtype)
-    return torch.where(pos < seq_lens[:, None], slots, first)
+    visible = pos < seq_lens[:, None]
+    if window:
+        visible = visible & (pos >= seq_lens[:, None] - window)
+    return torch.where(visible, slots, newest)
 
 
 @torch.library.custom_op("fullgraph::reference_decode_index", mutates_args=())
 def decode_index(seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: int, num_kv_heads: int,
-                 num_slots: int, dtype: torch.dtype, gather: str) -> tuple[torch.Tensor, torch.Tensor]:
+                 num_slots: int, dtype: torch.dtype, gather: str, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-step gather index and additive bias for :func:`decode_attention_op`.
 
     seq_lens: (R,); block_table: (R, MB); num_slots: num_blocks * block_size of the cache.
     L = MB * block_size; keys are read from the slots of :func:`_key_slots`. Returns:
 
-    - ``index``, int64, for ``gather`` (see ``DECODE_GATHER``). "slots": (2, L, R), contiguous;
+    - ``index``, int64, for ``gather`` (see ``DECODE_GATHERS``). "slots": (2, L, R), contiguous;
       entry (i, l, r) is the row of ``kv_cache.view(2 * num_slots, KVH * D)`` holding K (i = 0)
       or V (i = 1) of key l of request r. L comes before R so that the gathered K and V,
       (L, R * KVH, D) each, are strided (R * KVH, L, D) batches the matmuls take without a copy.
       "rows": (R, KVH, L), the row of ``kv_cache.view(2, -1, D)`` holding key l of head h of
       request r.
-    - ``bias`` (R * KVH, L) in ``dtype``: 0 for l < max(seq_len, 1), -inf after. A padded request
+    - ``bias`` (R * KVH, L) in ``dtype``: 0 for l < max(seq_len, 1) (and, with a sliding window,
+      l >= seq_len - window), -inf elsewhere. A padded request
       keeps key 0, so its softmax row is never empty: its output is finite garbage, never NaN,
       although it is not the zeros of the general path.
     """
     num_reqs, max_blocks = block_table.shape
     seq_len_max = max_blocks * block_size
-    slots = _key_slots(seq_lens, block_table, block_size)                        # (R, L)
+    slots = _key_slots(seq_lens, block_table, block_size, window)                # (R, L)
     if gather == "slots":
         index = torch.stack((slots.t(), slots.t() + num_slots))                 # (2, L, R)
     elif gather == "rows":
@@ -229,14 +236,17 @@ def decode_index(seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: 
     else:
         raise ValueError(f'decode_index: gather must be "slots" or "rows", got {gather!r}')
     pos = torch.arange(seq_len_max, device=slots.device, dtype=seq_lens.dtype)
-    keep = (pos < seq_lens.clamp(min=1)[:, None])[:, None, :]                     # (R, 1, L)
+    keep = pos < seq_lens.clamp(min=1)[:, None]                                   # (R, L)
+    if window:
+        keep = keep & (pos >= seq_lens[:, None] - window)
+    keep = keep[:, None, :]                                                       # (R, 1, L)
     bias = torch.where(keep.expand(num_reqs, num_kv_heads, seq_len_max),
                        torch.zeros((), dtype=dtype, device=slots.device), float("-inf"))  # (R, KVH, L)
     return index, bias.view(num_reqs * num_kv_heads, seq_len_max)
 
 
 @decode_index.register_fake
-def _(seq_lens, block_table, block_size, num_kv_heads, num_slots, dtype, gather):
+def _(seq_lens, block_table, block_size, num_kv_heads, num_slots, dtype, gather, window=0):
     num_reqs, max_blocks = block_table.shape
     seq_len_max = max_blocks * block_size
     shape = (2, seq_len_max, num_reqs) if gather == "slots" else (num_reqs, num_kv_heads, seq_len_max)
@@ -289,6 +299,7 @@ def _attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.
 
 
 _DECODE_ATTENTION = {"matmul": _attend_matmul, "matmul_keys": _attend_matmul_keys, "sdpa": _attend_sdpa}
+DECODE_ATTENTIONS = tuple(_DECODE_ATTENTION)
 
 
 @torch.library.custom_op("fullgraph::paged_decode_reference", mutates_args=())
@@ -297,7 +308,7 @@ def decode_attention_op(q: torch.Tensor, kv_cache: torch.Tensor, index: torch.Te
     """Decode attention (one new token per request) over the keys of :func:`decode_index`.
 
     q: (R, H, D); kv_cache: (2, NB, bs, KVH, D); ``index`` built for the same ``gather``. Returns
-    (R, H, D). One gather of K and V, then ``attention``'s computation (see ``DECODE_ATTENTION``)
+    (R, H, D). One gather of K and V, then ``attention``'s computation (see ``DECODE_ATTENTIONS``)
     with the query heads of each KV group as the query axis (GQA without copying K/V). Padded
     rows are finite garbage (see :func:`decode_index`).
     """

@@ -1,9 +1,11 @@
-"""Compiling Triton kernels ahead (fullgraph.kernels.ahead): launch dispatch, the on/off rules,
+"""Compiling Triton kernels ahead (fullgraph.kernels.compile_ahead): launch dispatch, the on/off rules,
 and, on a GPU, that a run under it compiles without running while the real launch then runs."""
 import pytest
 import torch
 
-from fullgraph.kernels import ahead, kv_write
+import fullgraph.env
+from fullgraph.kernels import compile_ahead as ahead
+from fullgraph.kernels import kv_write
 
 
 class _FakeJit:
@@ -39,7 +41,7 @@ def test_kernel_launches_normally_and_only_compiles_when_active(monkeypatch):
 
 
 def test_off_without_cuda_or_when_disabled(monkeypatch):
-    monkeypatch.setenv(ahead.ENV_WORKERS, "0")
+    monkeypatch.setenv(fullgraph.env.COMPILE_WORKERS, "0")
     assert ahead.workers() == 0
     calls = []
     assert ahead.compile_runs([lambda: calls.append(1)]) == 0.0
@@ -50,7 +52,7 @@ def test_off_without_cuda_or_when_disabled(monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU rule")
 def test_off_on_cpu(monkeypatch):
-    monkeypatch.delenv(ahead.ENV_WORKERS, raising=False)
+    monkeypatch.delenv(fullgraph.env.COMPILE_WORKERS, raising=False)
     assert ahead.workers() == 0
 
 

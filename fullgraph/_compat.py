@@ -1,0 +1,67 @@
+"""The private PyTorch APIs fullgraph uses, in one place, each with why and a fallback.
+
+Everything here is a leading-underscore API of torch that may change between releases; when one
+moves, this is the file to fix. Public APIs are used directly elsewhere.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+
+import torch
+
+
+def inference_mode() -> contextlib.AbstractContextManager:
+    """``torch.inference_mode()``'s core: the decorator form builds a context manager per call
+    (~2 us a step), this is the guard it enters."""
+    return torch._C._InferenceMode(True)
+
+
+def current_stream_key(device_index: int) -> int:
+    """An id of the current CUDA stream without building a ``torch.cuda.Stream`` (~4 us)."""
+    return torch._C._cuda_getCurrentStream(device_index)
+
+
+@functools.lru_cache(maxsize=1)
+def torch_has_paged_flash() -> bool:
+    """Whether ``aten._flash_attention_forward`` takes a ``block_table`` (paged FA, torch 2.13+)."""
+    schema = torch.ops.aten._flash_attention_forward.default._schema
+    return any(arg.name == "block_table" for arg in schema.arguments)
+
+
+def flash_attention_forward(*args, **kwargs) -> torch.Tensor:
+    """PyTorch's own FlashAttention-2 varlen forward; returns the attention output only."""
+    return torch.ops.aten._flash_attention_forward(*args, **kwargs)[0]
+
+
+def inductor_compile_fx() -> Callable:
+    """Inductor's graph compiler, for a ``torch.compile`` backend that wraps it."""
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx
+
+
+def error_on_recompile() -> contextlib.AbstractContextManager:
+    """Within it, a Dynamo recompilation raises ``RecompileError`` instead of compiling."""
+    return torch._dynamo.config.patch(error_on_recompile=True)
+
+
+def dynamo_recompile_error() -> type[BaseException]:
+    return torch._dynamo.exc.RecompileError
+
+
+def last_guard_failure(code) -> str | None:
+    """The reason Dynamo gave for the last guard failure of ``code`` (a code object), if it kept one."""
+    failures = getattr(torch._dynamo.utils, "guard_failures", {})
+    reasons = failures.get(code) or []
+    return str(reasons[-1]) if reasons else None
+
+
+def dynamo_compile_seconds() -> dict[str, float]:
+    """Seconds Dynamo spent per phase so far in this process (``compile_inner`` = Dynamo total,
+    ``call_user_compiler`` = the backend's part)."""
+    phases = torch._dynamo.utils.compile_times(repr="csv")  # (names, values), one value list per phase
+    if not isinstance(phases, tuple):
+        return {}
+    return {name: sum(float(v) for v in str(val).split(",") if v.strip()) for name, val in zip(*phases)}

@@ -1,0 +1,65 @@
+"""Every environment switch fullgraph reads, in one place, each with its one rule.
+
+Nothing deep in the code reads ``os.environ``: it asks here. This module imports nothing of the
+project (kernels may use it too). A switch marked "read once" is cached at its first use, so a
+process sees one value throughout; "read at construction" switches are read when a runner
+resolves its config.
+
+================================  ==================================================  ==================
+variable                          effect                                              read
+================================  ==================================================  ==================
+``TRITON_INTERPRET=1``            Triton kernels run in Triton's interpreter (CPU)    once (set it before
+                                                                                      importing fullgraph)
+``FULLGRAPH_CUDAGRAPH=MODE``      forces ``RunnerConfig.cudagraph`` (none/padded/full) at construction
+``FULLGRAPH_COMPILE=0|1``         forces ``RunnerConfig.compile``                     at construction
+``FULLGRAPH_PDL=0``               no programmatic dependent launch                    once
+``FULLGRAPH_COMPILE_WORKERS=N``   threads compiling Triton kernels ahead (0: off)     at each capture
+================================  ==================================================  ==================
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+CUDAGRAPH = "FULLGRAPH_CUDAGRAPH"
+COMPILE = "FULLGRAPH_COMPILE"
+PDL = "FULLGRAPH_PDL"
+COMPILE_WORKERS = "FULLGRAPH_COMPILE_WORKERS"
+
+
+def _flag(name: str) -> bool:
+    """The one rule for on/off variables: set and not "" or "0"."""
+    return os.environ.get(name, "0") not in ("", "0")
+
+
+@functools.cache
+def triton_interpret() -> bool:
+    """Whether Triton runs its interpreter (``TRITON_INTERPRET``), read once."""
+    return _flag("TRITON_INTERPRET")
+
+
+@functools.cache
+def pdl_disabled() -> bool:
+    """``FULLGRAPH_PDL=0`` switches programmatic dependent launch off (read once)."""
+    return os.environ.get(PDL, "1") == "0"
+
+
+def cudagraph_override() -> str | None:
+    """``FULLGRAPH_CUDAGRAPH``: a cudagraph mode forced on every runner, or None."""
+    return os.environ.get(CUDAGRAPH) or None
+
+
+def compile_override() -> str | None:
+    """``FULLGRAPH_COMPILE``: "0" or "1" forced on every runner, or None."""
+    return os.environ.get(COMPILE) or None
+
+
+def compile_workers() -> int | None:
+    """``FULLGRAPH_COMPILE_WORKERS``: threads for compiling kernels ahead, or None (the default)."""
+    value = os.environ.get(COMPILE_WORKERS)
+    if value is None:
+        return None
+    try:
+        return max(0, int(value))
+    except ValueError:
+        raise ValueError(f"{COMPILE_WORKERS}={value!r}: expected a number of threads (0 switches it off)") from None
