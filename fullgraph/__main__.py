@@ -67,6 +67,35 @@ def doctor(args: argparse.Namespace) -> int:
     return 0 if report.clean else 1
 
 
+def load_object(spec: str):
+    """``pkg.module:Name`` -> the object (a backend class, a model factory); a plain name is returned as is."""
+    import importlib
+
+    if ":" not in spec:
+        return spec
+    module, _, name = spec.partition(":")
+    try:
+        obj = importlib.import_module(module)
+    except ImportError as err:
+        raise ValueError(f"{spec}: cannot import module {module!r} ({err})") from None
+    for part in name.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{spec}: module {module!r} has no {name!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def conformance(args: argparse.Namespace) -> int:
+    """The regression scenarios for one backend (and model): a table; exit 1 if anything failed."""
+    from . import testing
+
+    report = testing.conformance(backend=load_object(args.backend),
+                                 model=load_object(args.model) if args.model else None, device=args.device,
+                                 modes=args.modes, scenarios=args.scenarios, seed=args.seed)
+    print(report.table())
+    return 0 if report.ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fullgraph")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -81,9 +110,19 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--attention", default="auto")
     d.add_argument("--modes", nargs="+", default=["none", "padded", "full", "compile"])
     d.add_argument("--bf16", action="store_true")
+    c = sub.add_parser("conformance", help="run the regression scenarios against an attention backend (or model)")
+    c.add_argument("--backend", default="sdpa", help="a registered backend name or pkg.module:Class (default: sdpa)")
+    c.add_argument("--model", default=None, help="pkg.module:factory returning a model (default: toy-llama; "
+                                                 "toy Phi-3-Small for a block-sparse backend)")
+    c.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="device to run on (default: cuda if present, else cpu)")
+    c.add_argument("--modes", nargs="+", default=None, choices=["padded", "full", "compile"],
+                   help="modes to test (default: every mode the device has)")
+    c.add_argument("--scenarios", nargs="+", type=int, default=None, help="scenario numbers (default: all that apply)")
+    c.add_argument("--seed", type=int, default=0, help="random seed of the scenarios' inputs (default: 0)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.command == "doctor" else logging.INFO, format="%(message)s")
-    return {"demo": demo, "doctor": doctor}[args.command](args)
+    return {"demo": demo, "doctor": doctor, "conformance": conformance}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,8 @@ class RunnerConfig:
             "full" (CUDA graphs), or "auto" (full on CUDA, padded elsewhere).
         attention: the dense attention backend: a registered name ("sdpa", "triton", "flash",
             or "auto": the fastest that serves every step here), or an ``AttentionBackend``
-            subclass (registered or not).
+            subclass (registered or not); or a dict layer kind -> backend, e.g.
+            ``{"dense": "sdpa", "blocksparse": MyBackend}``.
         capture_sizes: token-count buckets to pad to and capture; ``None`` -> the default schedule
             up to ``max_capture_size``. ``max_num_seqs`` is added when it fits, so every decode
             batch has a bucket; steps above the largest size run padded-eager.
@@ -56,7 +57,7 @@ class RunnerConfig:
     block_size: int = 16
     num_blocks: int | None = None
     cudagraph: str = "auto"
-    attention: Any = "auto"  # str | type[AttentionBackend]
+    attention: Any = "auto"  # str | type[AttentionBackend] | dict[str, str | type[AttentionBackend]]
     capture_sizes: tuple[int, ...] | None = None
     max_capture_size: int | None = None
     validate: bool = False

@@ -20,6 +20,7 @@ from .fields import StepPlan
 from .graphs import CaptureReport, GraphKey, GraphSet
 from .kernels import compile_ahead
 from .kv_cache import BlockAllocator, KVCacheSpec, allocate_kv_caches
+from .models import from_hf
 from .models.base import check_model
 from .plan import SeqChunk, Target, capture_plan, plan_with_cache
 from .validate import StepValidator
@@ -36,7 +37,8 @@ class StepOutput:
 
 
 class FullGraphRunner:
-    """Runs steps of ``model`` (see ``fullgraph.models.base`` for the protocol).
+    """Runs steps of ``model`` (see ``fullgraph.models.base`` for the protocol; a transformers
+    model of a supported architecture is converted once by ``models.from_hf``, sharing its weights).
 
     ``FullGraphRunner(model, config=None, **overrides)``: ``config`` is a ``RunnerConfig``;
     keyword overrides replace its fields (or build one from defaults). Device and dtype come from
@@ -53,6 +55,8 @@ class FullGraphRunner:
 
     def __init__(self, model: nn.Module, config: RunnerConfig | None = None, **overrides) -> None:
         config = (config or RunnerConfig()).replace(**overrides)
+        if type(model).__module__.startswith("transformers."):  # a PreTrainedModel: ours, sharing its weights
+            model = from_hf(model)
         layers = check_model(model)
         param = next(model.parameters())
         self.model, self.device, self.dtype = model, param.device, param.dtype
@@ -65,7 +69,7 @@ class FullGraphRunner:
         limits = BackendLimits(config.max_num_seqs, config.max_num_tokens, config.max_model_len,
                                config.block_size, num_blocks, self.device, self.dtype)
         self.backends, dense_cls = resolve_backends(config.attention, layers, limits)
-        dense = dense_cls.name if not isinstance(config.attention, type) else config.attention
+        dense = dense_cls.name if isinstance(config.attention, str) else config.attention
         self.config = config.replace(num_blocks=num_blocks, attention=dense)
         unique = list({id(b): b for b in self.backends.values()}.values())
         self.policy = padding.compose(*(b.policy for b in unique))
@@ -88,6 +92,14 @@ class FullGraphRunner:
         self._block_ids = BlockIdCache()  # the last step's block ids, reused while a request's list is unchanged
         self._stats = {"steps": 0, "tokens": 0, "padded_tokens": 0, "graph_hits": Counter(),
                        "eager_fallbacks": Counter()}
+
+    def reset(self) -> None:
+        """Forget every request: all KV pages free and zeroed. Captured graphs, compiled code and
+        statistics stay, so a runner can serve a fresh workload without capturing again."""
+        self.blocks = BlockAllocator(self.config.num_blocks)
+        for cache in self.kv_caches:
+            cache.zero_()
+        self._block_ids = BlockIdCache()
 
     # ---- running a step -------------------------------------------------------------------
     def step(self, chunks: Sequence[SeqChunk], token_ids: torch.Tensor | None = None) -> StepOutput:

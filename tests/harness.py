@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 
 import numpy as np
+import pytest
 import torch
 
 import fullgraph as fg
@@ -32,16 +33,39 @@ class Mode:
         return f"{self.cudagraph}-{self.attention}{'-compile' if self.compile else ''}-{dt}"
 
 
+def _triton_on_cpu() -> bool:
+    """The Triton backend runs interpreted on the CPU (slow); FULLGRAPH_TEST_TRITON=0 leaves it out."""
+    return os.environ.get("FULLGRAPH_TEST_TRITON", "1") == "1"
+
+
+# THE list of (backend, mode) the test suite runs: the conformance scenarios (test_regression)
+# and every per-mode test (modes_under_test) use it.
+class BlockSparseTorch(fg.attention.backends.get_backend_class("blocksparse")):
+    """The block-sparse backend on its plain-PyTorch path (its kernels run interpreted on the CPU,
+    minutes for the suite; test_blocksparse checks them against this path)."""
+
+    impl_choice = "torch"
+
+
+_CPU = [("sdpa", "padded", None), ("sdpa", "compile", None), (BlockSparseTorch, "padded", None)] + \
+       ([("triton", "padded", None)] if _triton_on_cpu() else [])
+_GPU = [("sdpa", "full", None), ("triton", "full", None), ("flash", "full", torch.bfloat16),
+        ("blocksparse", "full", torch.bfloat16), ("sdpa", "compile", None), ("triton", "compile", None)]
+CONFORMANCE_CASES = [pytest.param(c, id=f"{getattr(c[0], 'name', c[0])}-{c[1]}" + ("-bf16" if c[2] else ""))
+                     for c in (_GPU if HAS_CUDA else _CPU)]
+
+
 def modes_under_test() -> list[Mode]:
-    """CPU: padded mode per available backend. GPU: full graphs per backend, compiled too."""
-    backends = ["sdpa"] + [b for b in ("triton",) if b in fg.attention.backends.available_backends()]
-    if HAS_CUDA:
-        out = [Mode("full", b) for b in backends + ["flash"] if b in fg.attention.backends.available_backends()]
-        return out + [Mode("full", "sdpa", compile=True)]
-    out = [Mode("padded", "sdpa")]
-    if os.environ.get("FULLGRAPH_TEST_TRITON", "1") == "1" and "triton" in backends:
-        out.append(Mode("padded", "triton"))
-    return out
+    """The dense (backend, mode) pairs of ``CONFORMANCE_CASES`` as runner modes (compiled modes
+    included on the GPU only: on the CPU each compiled runner costs seconds)."""
+    out = []
+    for param in CONFORMANCE_CASES:
+        backend, mode, dtype = param.values[0]
+        if not isinstance(backend, str) or backend == "blocksparse" or (mode == "compile" and not HAS_CUDA):
+            continue
+        cudagraph = "full" if HAS_CUDA else "padded"
+        out.append(Mode(cudagraph, backend, compile=mode == "compile", dtype=dtype or torch.float32))
+    return [m for m in out if m.attention in fg.attention.backends.available_backends()]
 
 
 @functools.lru_cache(maxsize=4)

@@ -1,4 +1,5 @@
-"""compile=True: equals eager, composes with the modes, zero recompiles after warm-up (Inductor CPU)."""
+"""compile=True: equals eager, composes with the modes, zero recompiles after warm-up (Inductor CPU).
+The regression scenarios in compiled mode run in test_regression (the "compile" conformance cases)."""
 from __future__ import annotations
 
 import logging
@@ -8,7 +9,6 @@ import pytest
 import torch
 
 import fullgraph as fg
-import test_regression as scenarios
 from fullgraph.compile import RecompileError
 from harness import Mode, Twin, assert_logits_close, make_runner
 
@@ -89,18 +89,3 @@ def test_recompile_after_warmup_raises_in_strict_mode_and_logs_otherwise(twin, s
             assert any("recompiled after warm-up" in r.message for r in caplog.records)
     finally:
         runner.model.layers[0].self_attn.attn.scale /= 1.5
-
-
-SCENARIO_MODES = [pytest.param(COMPILED, id=COMPILED.id)] + [
-    pytest.param(Mode("full", b, compile=True), id=f"full-{b}-compile", marks=pytest.mark.gpu) for b in ("sdpa", "triton")]
-
-
-@pytest.mark.parametrize("mode", SCENARIO_MODES)
-@pytest.mark.parametrize("scenario", ["test_s04_poisoned_buffers_do_not_reach_real_logits",
-                                      "test_s07_same_bucket_different_contents",
-                                      "test_s10_mixed_chunked_one_token_prefill_page_boundary",
-                                      "test_s11_off_stride_sizes_and_fallback"])
-def test_regression_scenarios_compiled(mode, scenario, caplog):
-    fn = getattr(scenarios, scenario)
-    kwargs = {"caplog": caplog} if "caplog" in fn.__code__.co_varnames else {}
-    fn(mode, **kwargs)

@@ -65,8 +65,16 @@ def test_from_hf_reads_both_rope_spellings():
     assert c.rope_theta == 77.0 and c.rope_scaling is None
 
 
-def test_strict_loading_names_the_missing_tensor(tmp_path):
+def test_strict_loading_names_the_tensor(tmp_path):
     model = fg.models.Llama(fg.models.LlamaConfig.toy())
     sd = {"model." + k: v for k, v in model.state_dict().items()}
-    with pytest.raises(ValueError, match="layers.0.self_attn.q_proj.weight"):
-        model.load_hf_state_dict(sd)
+    model.load_hf_state_dict(dict(sd))                               # fused names (Phi-3's layout) load as they are
+    split = {k: v for k, v in sd.items() if "qkv_proj" not in k}
+    with pytest.raises(ValueError, match="model.layers.0.self_attn.q_proj.weight"):
+        model.load_hf_state_dict(split)
+    missing = {k: v for k, v in sd.items() if k != "model.layers.1.mlp.down_proj.weight"}
+    with pytest.raises(ValueError, match="missing tensors \\['model.layers.1.mlp.down_proj.weight'\\]"):
+        model.load_hf_state_dict(missing)
+    wrong = {**sd, "model.norm.weight": torch.ones(65)}
+    with pytest.raises(ValueError, match="model.norm.weight: checkpoint \\(65,\\) vs model \\(64,\\)"):
+        model.load_hf_state_dict(wrong)

@@ -37,6 +37,8 @@ class Attention(nn.Module):
             raise ValueError('a "blocksparse" attention layer needs its sparse config (and only it)')
         if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
             raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+        if sliding_window is not None and kind != "dense":
+            raise ValueError(f"sliding_window is a property of dense layers; a {kind!r} layer has its own pattern")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale, self.kind, self.sparse, self.sliding_window = scale, kind, sparse, sliding_window
 

@@ -18,10 +18,17 @@ Algorithm: FlashAttention-2 forward (online softmax in base 2) over a paged KV c
   program sees run unmasked; the rest (the causal diagonal, the sequence end) load K and V with
   ``other=0`` and set scores with ``where(mask, s, -inf)``, so stale or NaN cache memory (the null
   block, pages past seq_len) never reaches an output row.
-* Split-KV (decode only): split s of a request covers key tiles ``[s*per, (s+1)*per)``,
-  ``per = cdiv(cdiv(seq_len, BLOCK_N), NUM_SPLITS)``, and writes its normalised partial output and
-  log2-sum-exp (float32) to caller-owned workspaces; ``split_kv_reduce`` merges them. NUM_SPLITS
-  is chosen by :func:`num_kv_splits` from static sizes only, never from ``seq_lens`` values.
+* Sliding window ``W > 0`` (transformers' ``sliding_window_overlay``, ``kv_idx > q_idx -
+  sliding_window``, and'ed with causal): position q sees key k iff ``k <= q and q - k < W``. The
+  key loop starts at the tile of ``first = pos0 - W + 1`` (pos0: the program's first row): earlier
+  tiles are skipped, never loaded. Tiles straddling some row's window start are masked and load
+  only keys ``>= first``. W is a runtime int, so all window sizes share one variant; the constexpr
+  ``SLIDING = 0 < W < max_kv_len`` keeps other layers on the unchanged causal kernel, bit for bit.
+* Split-KV (decode only): split s covers key tiles ``[lo + s*per, lo + (s+1)*per)``, ``lo = first
+  // BLOCK_N * BLOCK_N`` (0 without a window), ``per = cdiv(cdiv(seq_len - lo, BLOCK_N),
+  NUM_SPLITS)``: the splits divide only the keys the loop walks; an empty one writes lse -inf. Each
+  writes its normalised partial output and log2-sum-exp (float32) to caller-owned workspaces;
+  ``split_kv_reduce`` merges them. NUM_SPLITS comes from :func:`num_kv_splits`, static sizes only.
 
 Layout contract (T tokens, R requests, padded sizes; the launcher checks shapes):
     q:               (T, H, D) fp16/bf16/fp32, ``stride(-1) == 1``; output (T, H, D), q's dtype
@@ -33,18 +40,19 @@ Every output row is written: tokens of no request (padding) get zeros.
 """
 from __future__ import annotations
 
-import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from . import ahead, pdl
+from .. import env
+from . import compile_ahead, pdl
 from .split_kv_reduce import split_kv_reduce
 
 # Read once, at import: the interpreter runs every program in Python, so it gets small tiles.
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+INTERPRET = env.triton_interpret()
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
 MIN_SPLIT_TOKENS = 64  # never split a sequence into pieces shorter than this (at max_model_len)
@@ -75,16 +83,19 @@ def _load(ptrs, mask, NO_MASK: tl.constexpr):
 
 
 @triton.jit
-def _attend(acc, l_i, m_i, q, kv_ptr, table_ptr, start, seq_len, pos, qk_scale,
+def _attend(acc, l_i, m_i, q, kv_ptr, table_ptr, start, first, seq_len, pos, window, qk_scale,
             stride_kv, stride_kb, stride_ks,
-            MASKED: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+            MASKED: tl.constexpr, SLIDING: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
             HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One key tile [start, start + BLOCK_N) of the online softmax. MASKED tiles may hold keys
-    past seq_len or past some row's position; unmasked ones hold only keys every row sees."""
+    past seq_len, past some row's position or before some row's window; they load only keys in
+    [first, seq_len) (the others may be freed pages). Unmasked ones hold only keys every row sees."""
     n = start + tl.arange(0, BLOCK_N)
     d = tl.arange(0, HEAD_DIM_PAD)
     d_ok = d < HEAD_DIM
     n_ok = n < seq_len
+    if SLIDING:
+        n_ok = n_ok & (n >= first)
     if MASKED:
         page = tl.load(table_ptr + n // PAGE_SIZE, mask=n_ok, other=0)
     else:
@@ -100,7 +111,10 @@ def _attend(acc, l_i, m_i, q, kv_ptr, table_ptr, start, seq_len, pos, qk_scale,
         v = _load(v_ptrs, d_ok[None, :], HEAD_DIM == HEAD_DIM_PAD)
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale             # (BLOCK_M, BLOCK_N)
     if MASKED:
-        s = tl.where((n[None, :] <= pos[:, None]) & n_ok[None, :], s, float("-inf"))
+        seen = n[None, :] <= pos[:, None]
+        if SLIDING:
+            seen = seen & (n[None, :] > pos[:, None] - window)
+        s = tl.where(seen & n_ok[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.math.exp2(m_i - m_new)
     p = tl.math.exp2(s - m_new[:, None])
@@ -112,21 +126,22 @@ def _attend(acc, l_i, m_i, q, kv_ptr, table_ptr, start, seq_len, pos, qk_scale,
 # The per-bucket counts are runtime values, never specialised on (Triton would compile a variant
 # per pattern of "== 1" / "divisible by 16" across the captured buckets, ~1 s of capture each);
 # NUM_SPLITS stays a constant: a runtime split count cost 7% of the batch-32 decode step.
-@ahead.kernel
-@triton.jit(do_not_specialize=["num_tokens", "num_reqs", "num_tiles"])
+@compile_ahead.kernel
+@triton.jit(do_not_specialize=["num_tokens", "num_reqs", "num_tiles", "window"])
 def _paged_attention_kernel(
         # pointers
         out_ptr, q_ptr, kv_ptr, query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
         part_out_ptr, part_lse_ptr,
         # sizes
-        num_tokens, num_reqs, num_tiles, num_kv_heads, max_kv_len, qk_scale,
+        num_tokens, num_reqs, num_tiles, num_kv_heads, max_kv_len, window, qk_scale,
         # strides (elements)
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kv, stride_kb, stride_ks, stride_kh, stride_bt,
         # meta
         GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, DECODE: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
+        NUM_SPLITS: tl.constexpr, DECODE: tl.constexpr, SLIDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        USE_PDL: tl.constexpr):
     pdl.wait(USE_PDL)
     pdl.start_dependents(USE_PDL)
     pid = tl.program_id(0)
@@ -163,13 +178,19 @@ def _paged_attention_kernel(
                 mask=row_ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
 
     # Keys [lo, hi): hi = last row position + 1; [lo, mid) is visible to every row (no mask).
+    # SLIDING: lo = the tile of the first row's window start, and the tiles before edge (the last
+    # row's window start, rounded up to a tile) are masked too.
     seq_len = tl.minimum(seq_len, max_kv_len)
     hi = tl.maximum(tl.minimum(pos0 + tl.minimum(BLOCK_Q, q_end - q0), seq_len), 0)
     full = (tl.maximum(tl.minimum(pos0 + 1, hi), 0) // BLOCK_N) * BLOCK_N
-    lo = 0
+    lo, first, edge = 0, 0, 0
+    if SLIDING:
+        first = tl.maximum(pos0 - window + 1, 0)
+        lo = (first // BLOCK_N) * BLOCK_N
+        edge = tl.cdiv(tl.maximum(hi - window, 0), BLOCK_N) * BLOCK_N
     if NUM_SPLITS > 1:
-        per = tl.cdiv(tl.cdiv(hi, BLOCK_N), NUM_SPLITS) * BLOCK_N
-        lo = split * per
+        per = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), NUM_SPLITS) * BLOCK_N
+        lo = lo + split * per
         hi = tl.minimum(hi, lo + per)
     mid = tl.minimum(tl.maximum(full, lo), hi)
 
@@ -178,13 +199,21 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)
     kv_ptr += kv_head * stride_kh
     table_ptr = block_table_ptr + req.to(tl.int64) * stride_bt
+    if SLIDING:
+        edge = tl.minimum(tl.maximum(edge, lo), hi)
+        for start in range(lo, edge, BLOCK_N):
+            acc, l_i, m_i = _attend(acc, l_i, m_i, q, kv_ptr, table_ptr, start, first, seq_len, pos, window,
+                                    qk_scale, stride_kv, stride_kb, stride_ks, True, True, BLOCK_N, HEAD_DIM,
+                                    HEAD_DIM_PAD, PAGE_SIZE, DOT_PRECISION)
+        lo = edge
+        mid = tl.minimum(tl.maximum(full, lo), hi)
     for start in range(lo, mid, BLOCK_N):
-        acc, l_i, m_i = _attend(acc, l_i, m_i, q, kv_ptr, table_ptr, start, seq_len, pos, qk_scale,
-                                stride_kv, stride_kb, stride_ks, False, BLOCK_N, HEAD_DIM,
+        acc, l_i, m_i = _attend(acc, l_i, m_i, q, kv_ptr, table_ptr, start, first, seq_len, pos, window,
+                                qk_scale, stride_kv, stride_kb, stride_ks, False, SLIDING, BLOCK_N, HEAD_DIM,
                                 HEAD_DIM_PAD, PAGE_SIZE, DOT_PRECISION)
     for start in range(mid, hi, BLOCK_N):
-        acc, l_i, m_i = _attend(acc, l_i, m_i, q, kv_ptr, table_ptr, start, seq_len, pos, qk_scale,
-                                stride_kv, stride_kb, stride_ks, True, BLOCK_N, HEAD_DIM,
+        acc, l_i, m_i = _attend(acc, l_i, m_i, q, kv_ptr, table_ptr, start, first, seq_len, pos, window,
+                                qk_scale, stride_kv, stride_kb, stride_ks, True, SLIDING, BLOCK_N, HEAD_DIM,
                                 HEAD_DIM_PAD, PAGE_SIZE, DOT_PRECISION)
 
     # Rows with no key (padding, empty split) have l_i == 0: output 0, log-sum-exp -inf.
@@ -261,7 +290,8 @@ def split_workspace_rows(max_num_seqs: int, num_kv_heads: int, max_model_len: in
 def _paged_attention_op(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                         seq_lens: torch.Tensor, block_table: torch.Tensor, part_out: torch.Tensor,
                         part_lse: torch.Tensor, scale: float, decode_only: bool, num_splits: int,
-                        block_m: int, block_n: int, num_warps: int, num_stages: int) -> torch.Tensor:
+                        block_m: int, block_n: int, num_warps: int, num_stages: int,
+                        window: int = 0) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
     _, _, page_size, num_kv_heads, _ = kv_cache.shape
     num_reqs, max_blocks = block_table.shape
@@ -270,16 +300,17 @@ def _paged_attention_op(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc
     block_m = max(block_m, triton.next_power_of_2(group))
     block_q = 1 if decode_only else block_m // group
     num_tiles = num_reqs if decode_only else num_tokens // block_q + num_reqs + 1
+    sliding = 0 < window < max_blocks * page_size   # a wider window masks nothing: the plain kernel
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = q.new_empty(q.shape)                                   # (T, H, D)
     _paged_attention_kernel[(num_tiles * num_kv_heads, num_splits)](
         out, q, kv_cache, query_start_loc, seq_lens, block_table, part_out, part_lse,
-        num_tokens, num_reqs, num_tiles, num_kv_heads, max_blocks * page_size, scale * LOG2E,
+        num_tokens, num_reqs, num_tiles, num_kv_heads, max_blocks * page_size, window if sliding else 0, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=page_size, NUM_SPLITS=num_splits, DECODE=decode_only,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        SLIDING=sliding, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages, **pdl.options(q))
     if num_splits > 1:
         split_kv_reduce(out=out, part_out=part_out, part_lse=part_lse, num_splits=num_splits)
@@ -288,7 +319,7 @@ def _paged_attention_op(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc
 
 @_paged_attention_op.register_fake
 def _(q, kv_cache, query_start_loc, seq_lens, block_table, part_out, part_lse, scale, decode_only,
-      num_splits, block_m, block_n, num_warps, num_stages):
+      num_splits, block_m, block_n, num_warps, num_stages, window=0):
     return q.new_empty(q.shape)
 
 
@@ -315,14 +346,21 @@ def _check(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tenso
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, block_table: torch.Tensor, *, scale: float, decode_only: bool,
                     num_splits: int = 1, part_out: torch.Tensor | None = None,
-                    part_lse: torch.Tensor | None = None, config: KernelConfig | None = None) -> torch.Tensor:
+                    part_lse: torch.Tensor | None = None, config: KernelConfig | None = None,
+                    window: int = 0) -> torch.Tensor:
     """Causal attention of the step's new tokens over their requests' paged KV (module docstring).
 
+    ``window`` > 0: sliding window, position q sees key k iff ``k <= q and q - k < window``
+    (transformers' ``sliding_window_causal_mask_function``); pages before every row's window are
+    never read, so their block-table entries may point anywhere (the null block). 0: full causal.
     Capture-safe: the grid, tiles and split count depend on shapes and arguments only. ``num_splits
     > 1`` (decode steps only) needs float32 workspaces ``part_out``/``part_lse`` (flat, see the
     layout contract), allocated once by the caller. Returns (T, H, D) in q's dtype.
     """
     _check(q, kv_cache, query_start_loc, seq_lens, block_table, decode_only)
+    if not isinstance(window, int) or window < 0:
+        raise ValueError(f"paged_attention: window={window!r}: expected a Python int >= 0 (0 = no window), "
+                         f"one static value per layer")
     if num_splits < 1 or (num_splits > 1 and not decode_only):
         raise ValueError(f"paged_attention: num_splits={num_splits}: must be 1, or >= 1 on decode steps")
     num_tokens, num_heads, head_dim = q.shape
@@ -336,7 +374,25 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     else:
         part_out = part_lse = q.new_empty(0, dtype=torch.float32)
     max_kv_len = block_table.shape[1] * kv_cache.shape[2]
-    cfg = config or default_config(head_dim, q.dtype, decode_only, keys_per_split=_cdiv(max_kv_len, num_splits))
+    span = window if 0 < window < max_kv_len else max_kv_len     # keys one decode program walks at most
+    cfg = config or default_config(head_dim, q.dtype, decode_only, keys_per_split=_cdiv(span, num_splits))
     return torch.ops.fullgraph.paged_attention(
         q, kv_cache, query_start_loc, seq_lens, block_table, part_out, part_lse, float(scale),
-        bool(decode_only), int(num_splits), cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages)
+        bool(decode_only), int(num_splits), cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
+        window)
+
+
+@dataclass(frozen=True)
+class KeysRead:
+    """Key positions one decode step reads for one request (per KV head; K and V rows each)."""
+
+    loaded: int   # rows loaded from the cache: the window's keys (masked lanes load nothing)
+    walked: int   # positions the loop scores: from the start of the window's first tile to seq_len
+    dense: int    # rows a full-causal decode loads: the whole sequence
+
+
+def keys_read(seq_lens: Sequence[int], window: int, block_n: int) -> list[KeysRead]:
+    """What the decode kernel reads per request at these lengths (host-side, for benchmarks:
+    KV bytes = loaded * num_kv_heads * head_dim * 2 * itemsize). Splits do not change it."""
+    firsts = [max(n - window, 0) if window else 0 for n in seq_lens]   # first key a decode sees
+    return [KeysRead(n - f, n - f // block_n * block_n, n) for n, f in zip(seq_lens, firsts)]

@@ -113,30 +113,36 @@ class DecoderLM(nn.Module):
         misshapen tensor raises ``ValueError`` naming it (and both shapes) before anything is
         copied. ``share``: the parameters become the given tensors (same storage, no copy; dtype
         and device must already match), else values are copied into the existing parameters.
-        ``prefix``: what the checkpoint puts before these names (errors name its tensors)."""
-        own = self.state_dict()
-        missing = [prefix + k for k in sorted(set(own) - set(state))]
-        unknown = [prefix + k for k in sorted(set(state) - set(own))]
+        ``prefix``: what the checkpoint puts before these names (errors name its tensors).
+        Buffers (RoPE tables, masks) are the model's own, never loaded."""
+        own = dict(self.named_parameters(remove_duplicate=False))
+
+        def named(k: str) -> str:  # the checkpoint's name of one of ours
+            return k if k.startswith("lm_head") else prefix + k
+        missing = [named(k) for k in sorted(set(own) - set(state))]
+        unknown = [named(k) for k in sorted(set(state) - set(own))]
         if missing or unknown:
             raise ValueError(f"{source} does not match {type(self).__name__}: missing tensors {missing[:8]}"
                              f"{' ...' if len(missing) > 8 else ''}, unexpected tensors {unknown[:8]}"
                              f"{' ...' if len(unknown) > 8 else ''}")
-        bad = [f"{prefix}{k}: checkpoint {tuple(v.shape)} vs model {tuple(own[k].shape)}" for k, v in state.items()
+        bad = [f"{named(k)}: checkpoint {tuple(v.shape)} vs model {tuple(own[k].shape)}" for k, v in state.items()
                if tuple(v.shape) != tuple(own[k].shape)]
         if bad:
             raise ValueError(f"{source}: tensors of the wrong shape: {bad[:8]}{' ...' if len(bad) > 8 else ''}")
         if share:
             self._share(state, source)
         else:
-            self.load_state_dict(state, strict=True)
+            with torch.no_grad():
+                for name, param in own.items():
+                    param.copy_(state[name])
 
     def _share(self, state: Mapping[str, torch.Tensor], source: str) -> None:
-        for name, param in self.named_parameters(remove_duplicate=False):
+        """Every parameter becomes a Parameter over the given tensor's storage (no copy). A model
+        built on the ``meta`` device takes the tensors' device; otherwise they must match."""
+        for name, param in list(self.named_parameters(remove_duplicate=False)):
             t = state[name]
-            if t.dtype != param.dtype or t.device != param.device:
+            if t.dtype != param.dtype or (param.device.type != "meta" and t.device != param.device):
                 raise ValueError(f"{source}: {name} is {t.dtype} on {t.device}, the model {param.dtype} on "
                                  f"{param.device}: build the model with that dtype and device to share storage")
-            param.data = t.detach()
-        for name, buf in self.named_buffers():
-            if name in state:
-                buf.data = state[name].detach()
+            owner, _, leaf = name.rpartition(".")
+            self.get_submodule(owner)._parameters[leaf] = nn.Parameter(t.detach(), requires_grad=False)

@@ -10,11 +10,12 @@ the CPU the plain-PyTorch formulas run: they are the reference.
 """
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .rope import llama3_inv_freq, rope_inv_freq  # noqa: F401  (re-exported: the models' RoPE tables)
 
 try:
     from .. import kernels
@@ -106,24 +107,6 @@ class PreNormDecoderLayer(nn.Module):
         x = self.self_attn(x, positions, rope, kv_cache, metadata)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
-
-
-def rope_inv_freq(head_dim: int, base: float) -> torch.Tensor:
-    """Standard RoPE inverse frequencies, (head_dim // 2,) float64."""
-    return 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-
-
-def llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: float,
-                    high_freq_factor: float, original_max_position_embeddings: int) -> torch.Tensor:
-    """Llama-3 frequency scaling: long wavelengths divided by ``factor``, short kept, smooth between."""
-    wavelen = 2 * math.pi / inv_freq
-    low_wavelen = original_max_position_embeddings / low_freq_factor
-    high_wavelen = original_max_position_embeddings / high_freq_factor
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(medium, smoothed, scaled)
 
 
 class RotaryEmbedding(nn.Module):

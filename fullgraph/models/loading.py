@@ -1,35 +1,73 @@
-"""Reading Hugging Face style checkpoint directories (``config.json`` + ``*.safetensors``)."""
+"""Reading checkpoints from disk: Hugging Face directories (``config.json`` + ``*.safetensors``,
+sharded or not, ``generation_config.json``) and the tensors' conversion to a model's dtype/device."""
 from __future__ import annotations
 
 import json
+import logging
+import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
+
+logger = logging.getLogger("fullgraph")
 
 
 def load_config(path: str | Path) -> dict:
     file = Path(path) / "config.json"
     if not file.is_file():
-        raise ValueError(f"{path}: no config.json (expected a Hugging Face style checkpoint directory)")
+        raise ValueError(f"{path}: no config.json (expected a Hugging Face checkpoint directory or a .gguf file)")
     return json.loads(file.read_text())
 
 
-def load_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of every ``*.safetensors`` file in ``path`` (CPU tensors)."""
-    from safetensors.torch import load_file  # optional dependency: only needed to load checkpoints
+def load_generation_config(path: str | Path) -> dict:
+    """``generation_config.json`` (transformers reads it before config.json for eos ids), or {}."""
+    file = Path(path) / "generation_config.json"
+    return json.loads(file.read_text()) if file.is_file() else {}
 
-    files = sorted(Path(path).glob("*.safetensors"))
+
+def safetensors_files(path: str | Path) -> list[Path]:
+    """The checkpoint's ``*.safetensors`` files: those its index names (every one must exist),
+    or all of them."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [n for n in names if not (path / n).is_file()]
+        if missing:
+            raise ValueError(f"{path}: the shard index names files that are missing: {missing}")
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{path}: no *.safetensors files")
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        tensors.update(load_file(str(file)))
+    return files
+
+
+def load_safetensors_dir(path: str | Path, dtype: torch.dtype | None = None,
+                         device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint, converted to ``dtype`` on ``device`` as it is read (one
+    shard at a time), with progress and the time it took."""
+    try:
+        from safetensors.torch import load_file
+    except ImportError:
+        raise ValueError("loading safetensors checkpoints needs the safetensors package "
+                         "(pip install 'fullgraph[hf]')") from None
+    files, tensors, start = safetensors_files(path), {}, time.perf_counter()
+    for i, file in enumerate(files):
+        for name, t in load_file(str(file)).items():
+            tensors[name] = t.to(device=device, dtype=dtype if t.is_floating_point() and dtype else t.dtype)
+        logger.info("loading %s: shard %d/%d, %d tensors, %.1f s", Path(path).name, i + 1, len(files), len(tensors),
+                    time.perf_counter() - start)
     return tensors
+
+
+def to_model(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in tensors.items()}
 
 
 def fuse(sd: dict[str, torch.Tensor], fused: str, parts: list[str]) -> None:
     """Replace ``parts`` of a state dict by their row-wise concatenation under ``fused``."""
     missing = [p for p in parts if p not in sd]
     if missing:
-        raise ValueError(f"checkpoint is missing {missing} (needed for {fused})")
+        raise ValueError(f"checkpoint lacks {['model.' + p for p in missing]} (needed for {fused})")
     sd[fused] = torch.cat([sd.pop(p) for p in parts], dim=0)

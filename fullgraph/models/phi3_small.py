@@ -16,37 +16,10 @@ from ..attention import Attention, BlockSparseConfig
 from .base import DecoderLM
 from .layers import (LayerNorm, Linear, PreNormDecoderLayer, RotaryEmbedding, init_random_, kernels, rope_inv_freq,
                      use_kernels)
-from .loading import load_config, load_safetensors_dir
+from .rope import LongRopeScaling
 
 # <|dummy_id_k|>, the FIM ids 100258-100260 and <|endofprompt|> 100276: masked in the logits.
 PHI3_SMALL_DUMMY_IDS = (100256, 100258, 100259, 100260, 100264, 100265, *range(100267, 100352))
-
-
-@dataclass(frozen=True)
-class LongRopeScaling:
-    """LongRoPE (128K checkpoints): ``inv_freq_i / factor_i`` and q, k scaled by an mscale after
-    rotation. A missing mscale is ``sqrt(1 + ln(max_pos / original) / ln(original))`` (long) or 1 (short)."""
-
-    short_factor: tuple[float, ...]
-    long_factor: tuple[float, ...]
-    original_max_position_embeddings: int
-    short_mscale: float | None = None
-    long_mscale: float | None = None
-
-    def __post_init__(self) -> None:
-        short, long = tuple(map(float, self.short_factor)), tuple(map(float, self.long_factor))
-        if not short or len(short) != len(long) or min(short + long) <= 0 or self.original_max_position_embeddings < 1:
-            raise ValueError(f"LongRopeScaling needs positive factor lists of equal length (got {len(short)} and "
-                             f"{len(long)}) and original_max_position_embeddings >= 1")
-        object.__setattr__(self, "short_factor", short), object.__setattr__(self, "long_factor", long)
-
-    def tables(self, head_dim: int, base: float, max_position: int, long: bool) -> tuple[torch.Tensor, float]:
-        """(inv_freq (head_dim/2,) float64, mscale) of the long or the short factors."""
-        orig = self.original_max_position_embeddings
-        default = math.sqrt(1 + math.log(max_position / orig) / math.log(orig)) if long and max_position > orig else 1.0
-        mscale = self.long_mscale if long else self.short_mscale
-        factors = torch.tensor(self.long_factor if long else self.short_factor, dtype=torch.float64)
-        return rope_inv_freq(head_dim, base) / factors, default if mscale is None else mscale
 
 
 @dataclass(frozen=True)
@@ -254,6 +227,13 @@ class Phi3Small(DecoderLM):
         self.layers = nn.ModuleList(Phi3SmallDecoderLayer(c, i, **factory) for i in range(c.num_hidden_layers))
         self.final_layernorm = LayerNorm(c.hidden_size, c.layer_norm_epsilon, **factory)
         self.lm_head = None  # tied: the embedding is the LM head
+        self.build_buffers(device)
+        if seed is not None:
+            init_random_(self, seed, embedding_std=1.0 / c.mup_embedding_multiplier)
+
+    def build_buffers(self, device: torch.device | str | None) -> None:
+        """The RoPE tables and the mask of dummy token ids."""
+        c = self.config
         inv_freq, mscale, self.rope_factors = rope_inv_freq(c.head_dim, c.rope_embedding_base), 1.0, None
         if c.rope_scaling is not None:
             long = self.max_model_len > c.rope_scaling.original_max_position_embeddings
@@ -262,8 +242,6 @@ class Phi3Small(DecoderLM):
         self.rotary = RotaryEmbedding(inv_freq, c.max_position_embeddings, mscale, device=device)
         dummy = torch.isin(torch.arange(c.vocab_size), torch.tensor(c.dummy_token_ids, dtype=torch.long))
         self.register_buffer("dummy_mask", dummy.to(device), persistent=False)          # (vocab,) bool
-        if seed is not None:
-            init_random_(self, seed, embedding_std=1.0 / c.mup_embedding_multiplier)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids) * self.config.mup_embedding_multiplier   # (T, hidden)
@@ -278,13 +256,19 @@ class Phi3Small(DecoderLM):
     def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype = torch.float32,
                         device: torch.device | str | None = None, max_model_len: int | None = None) -> Phi3Small:
         """Load ``config.json`` + ``*.safetensors`` (checkpoint tensor names) from a directory."""
-        model = cls(Phi3SmallConfig.from_hf(load_config(path)), dtype=dtype, device=device, seed=None,
-                    max_model_len=max_model_len)
-        model.load_hf_state_dict(load_safetensors_dir(path))
+        from .registry import from_pretrained
+
+        model = from_pretrained(path, dtype=dtype, device=device, max_model_len=max_model_len)
+        if not isinstance(model, cls):
+            raise ValueError(f"{path}: a {type(model).__name__} checkpoint, not Phi-3-Small")
         return model
 
     def load_hf_state_dict(self, hf: Mapping[str, torch.Tensor]) -> None:
         """Copy a checkpoint state dict in. Strict: a missing, unknown or misshapen tensor raises
         ``ValueError`` naming it. ``lm_head.weight`` is ignored (tied to ``embed_tokens``)."""
-        sd = {k.removeprefix("model."): v for k, v in hf.items() if "rotary_emb" not in k and k != "lm_head.weight"}
-        self.load_own_state(sd, source="checkpoint", prefix="model.")
+        self.load_own_state(phi3_small_state(hf), source="checkpoint", prefix="model.")
+
+
+def phi3_small_state(hf: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors under ``Phi3Small``'s names (its module names are the checkpoint's)."""
+    return {k.removeprefix("model."): v for k, v in hf.items() if "rotary_emb" not in k and k != "lm_head.weight"}

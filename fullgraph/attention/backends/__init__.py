@@ -45,16 +45,24 @@ def _pick_dense(choice: str | type[AttentionBackend], layers, limits: BackendLim
     raise ValueError(f"no dense attention backend can serve this model: {reasons}")
 
 
-def resolve_backends(dense: str | type[AttentionBackend], layers,
-                     limits: BackendLimits) -> tuple[dict[str, AttentionBackend], type[AttentionBackend]]:
-    """One backend instance per layer kind; returns (kind -> backend, the dense backend's class)."""
+def resolve_backends(choice, layers, limits: BackendLimits) -> tuple[dict[str, AttentionBackend], type[AttentionBackend]]:
+    """One backend instance per layer kind; returns (kind -> backend, the dense backend's class).
+
+    ``choice``: the dense backend (a name, "auto", or a class), or a mapping layer kind -> backend
+    (e.g. ``{"dense": "sdpa", "blocksparse": MyBlockSparse}``); kinds it leaves out take their
+    defaults ("auto" for dense layers, the kind's own backend otherwise)."""
     by_kind: dict[str, list] = {}
     for layer in layers:
         by_kind.setdefault(layer.kind, []).append(layer)
-    dense_cls = _pick_dense(dense, by_kind.get("dense", layers), limits)
+    chosen = dict(choice) if isinstance(choice, dict) else {"dense": choice}
+    unknown = set(chosen) - set(by_kind) - {"dense"}
+    if unknown:
+        raise ValueError(f"attention={choice!r} names layer kinds {sorted(unknown)} this model does not have "
+                         f"(its kinds: {sorted(by_kind)})")
+    dense_cls = _pick_dense(chosen.get("dense", "auto"), by_kind.get("dense", layers), limits)
     out: dict[str, AttentionBackend] = {}
     for kind, kind_layers in by_kind.items():
-        cls = dense_cls if kind == "dense" else get_backend_class(KIND_DEFAULTS.get(kind, kind))
+        cls = dense_cls if kind == "dense" else backend_class(chosen.get(kind, KIND_DEFAULTS.get(kind, kind)))
         if kind not in cls.kinds:
             raise ValueError(f"attention backend {cls.name!r} serves {sorted(cls.kinds)} layers, not {kind!r}")
         reason = cls.unsupported_reason(limits.device, limits.dtype, kind_layers)

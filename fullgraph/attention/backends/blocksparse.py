@@ -58,8 +58,11 @@ class BlockSparseBackend(AttentionBackend):
         graph_steps=frozenset({"mixed", "decode"}),
     )
 
-    def __init__(self, limits: BackendLimits, layers, *, impl: str = "auto") -> None:
+    impl_choice: str = "auto"  # a subclass may pin "triton" or "torch"
+
+    def __init__(self, limits: BackendLimits, layers, *, impl: str | None = None) -> None:
         super().__init__(limits, layers)
+        impl = self.impl_choice if impl is None else impl
         for layer in layers:
             layer.sparse.check_page_size(limits.block_size)
         self.impl = self._pick_impl(impl, limits, layers)

@@ -6,7 +6,8 @@ never touches the cache), rotating q and the keys in the same launch (``rope_kv_
 the rotary embedding allows. Then ``forward`` runs one ``paged_attention`` launch that reads every
 key from the cache for the whole step: prefill, chunked prefill with cached context, decode and
 mixed batches alike. Decode steps split long contexts over several programs (split-KV) and merge
-the partials in a second, tiny launch.
+the partials in a second, tiny launch. Sliding-window layers skip the pages wholly outside the
+window (the kernel's loop starts at the window), and their splits divide only the window.
 
 Capture-safe, because:
 * both launchers take their grids from static shapes (T, R, the block-table width) and read the
@@ -99,13 +100,13 @@ class TritonBackend(AttentionBackend):
             reason = _head_dim_reason(layer.head_dim)
             if reason:
                 return reason
-            if layer.sliding_window:
-                return "sliding-window layers are not supported by this backend yet (use attention='sdpa')"
         return None
 
-    def num_splits(self, num_reqs: int, num_kv_heads: int) -> int:
-        """Split-KV count of a decode step with R = ``num_reqs`` (static per graph key)."""
-        return num_kv_splits(num_reqs, num_kv_heads, self.limits.max_model_len, self.num_sms)
+    def num_splits(self, num_reqs: int, num_kv_heads: int, window: int = 0) -> int:
+        """Split-KV count of a decode step with R = ``num_reqs`` (static per graph key); a sliding
+        window bounds the keys one request reads, so it bounds the splits too."""
+        keys = min(window, self.limits.max_model_len) if window else self.limits.max_model_len
+        return num_kv_splits(num_reqs, num_kv_heads, keys, self.num_sms)
 
     def workspaces(self) -> dict[str, torch.Tensor]:
         return {"part_out": self.part_out, "part_lse": self.part_lse}
@@ -118,7 +119,8 @@ class TritonBackend(AttentionBackend):
         block_table = metadata.require("block_table", self.name)
         # The decode kernel maps token i to request i; any other decode layout takes the general path.
         decode = metadata.decode_only and block_table.shape[0] == q.shape[0]
-        splits = self.num_splits(block_table.shape[0], layer.num_kv_heads) if decode else 1
+        window = layer.sliding_window or 0
+        splits = self.num_splits(block_table.shape[0], layer.num_kv_heads, window) if decode else 1
         return paged_attention(q, kv_cache, query_start_loc, seq_lens, block_table, scale=layer.scale,
                                decode_only=decode, num_splits=splits, part_out=self.part_out,
-                               part_lse=self.part_lse)
+                               part_lse=self.part_lse, window=window)
