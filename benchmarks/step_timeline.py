@@ -67,7 +67,7 @@ def main() -> None:
         "upload+replay": lambda: (buffers.upload(), graphs.replay(key)),
         "plan+upload+replay": lambda: (plan(), buffers.upload(), graphs.replay(key)),
         "plan+upload+replay+clone": lambda: (plan(), buffers.upload(), graphs.replay(key),
-                                             buffers.logits[:args.batch].clone()),
+                                             buffers.outputs["logits"][:args.batch].clone()),
         "step": lambda: runner.step(chunks),
     }
     rows = [{"variant": "replay (back-to-back)", "host_us": float("nan"), "wall_us": replay_ms(runner, key) * 1e3}]

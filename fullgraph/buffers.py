@@ -59,14 +59,14 @@ class StaticBuffers:
         # slicing costs ~1 us a step: every output's first n rows, made once
         self._rows = {name: [t[:n] for n in range(config.max_num_seqs + 1)] for name, t in self.outputs.items()}
         self.workspaces: dict[str, torch.Tensor] = {}
+        # state carried from one step to the next (never poisoned): the last step's sampled ids,
+        # which the next step's graph reads for tokens whose prev_token_row says so
+        self.feedback = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
         self._copied = torch.cuda.Event() if on_cuda else None
         if on_cuda:
             self._device_index = torch.cuda.current_device() if self.device.index is None else self.device.index
             self._stream_key, self._stream = None, None
 
-    @property
-    def logits(self) -> torch.Tensor:
-        return self.outputs["logits"]
 
     def add_workspaces(self, owner: str, tensors: Mapping[str, torch.Tensor]) -> None:
         """Register device tensors a backend's kernels write before they read them (split-KV
@@ -118,9 +118,6 @@ class StaticBuffers:
         """The first ``num_reqs`` rows of an output, as a tensor of the caller's own."""
         return self._rows[name][num_reqs].clone()
 
-    def logits_copy(self, num_reqs: int) -> torch.Tensor:
-        return self.output_copy("logits", num_reqs)
-
     def views(self, num_tokens: int, num_reqs: int) -> dict[str, torch.Tensor]:
         """Every step field sized to one bucket (T tokens, R requests): the model step's inputs."""
         sizes = dict(zip(_SIZES, (num_tokens, num_reqs, num_reqs + 1, num_reqs, 1)))
@@ -145,4 +142,5 @@ class StaticBuffers:
         out = {name: t.data_ptr() for name, t in self.tensors.items()}
         out.update({name: t.data_ptr() for name, t in self.outputs.items()})
         out.update({name: t.data_ptr() for name, t in self.workspaces.items()})
+        out["feedback"] = self.feedback.data_ptr()
         return out

@@ -49,6 +49,10 @@ class RunnerConfig:
         validate: check every invariant of each padded plan (and, in graph mode, input addresses
             and NaN poisoning) before running it. Slow; for tests and debugging.
         compile: run the model step through ``torch.compile(fullgraph=True)``.
+        sampling: the step samples one token per request inside the graph (per-request parameters
+            are step fields, ``fields.SAMPLING_FIELDS``) and returns token ids instead of logits.
+        max_logprobs: with ``sampling``, the graph also returns each sampled token's logprob and
+            the top ``max_logprobs`` logprobs of every request (0: none).
     """
 
     max_num_seqs: int = 16
@@ -62,6 +66,8 @@ class RunnerConfig:
     max_capture_size: int | None = None
     validate: bool = False
     compile: bool = False
+    sampling: bool = False
+    max_logprobs: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_tokens", "max_model_len", "block_size"):
@@ -79,6 +85,9 @@ class RunnerConfig:
             raise ValueError(
                 f"RunnerConfig.max_num_tokens ({self.max_num_tokens}) exceeds max_num_seqs * max_model_len "
                 f"({self.max_num_seqs} * {self.max_model_len}): no step can hold that many tokens")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0 or (self.max_logprobs and not self.sampling):
+            raise ValueError(f"RunnerConfig.max_logprobs must be an int >= 0, and needs sampling=True "
+                             f"(got {self.max_logprobs!r}, sampling={self.sampling})")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError(
                 f"RunnerConfig.num_blocks must be >= 2 (block 0 is the reserved null block), "

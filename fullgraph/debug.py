@@ -109,11 +109,12 @@ def _run_mode(runner: FullGraphRunner, chunks: Sequence[SeqChunk], kv_source: li
 
 @torch.inference_mode()
 def compare(target: FullGraphRunner | nn.Module, chunks: Sequence[SeqChunk], modes: Sequence[str] = MODES,
-            **config_overrides) -> CompareReport:
+            progress=None, **config_overrides) -> CompareReport:
     """Run one step in each mode (each with a fresh copy of the KV cache) and report divergence.
 
     ``target``: a runner (its model, config and KV cache contents are used; it is not modified)
-    or a model (a runner config is built from ``config_overrides``). The model must expose its
+    or a model (a runner config is built from ``config_overrides``). ``progress(mode)`` is called
+    as each mode starts (compiling takes a while). The model must expose its
     decoder layers as ``model.layers``; a layer returns its hidden state, or ``(output, residual)``
     whose sum is the hidden state.
     """
@@ -130,6 +131,8 @@ def compare(target: FullGraphRunner | nn.Module, chunks: Sequence[SeqChunk], mod
     plan = plan_step(chunks, reference.config, reference.policy, num_blocks=reference.config.num_blocks)
     runs: dict[str, tuple | str] = {"none": _run_mode(reference, chunks, kv, plan.num_tokens)}
     for mode in [m for m in modes if m != "none"]:
+        if progress is not None:
+            progress(mode)
         cfg = _mode_config(reference.config, mode, cuda, plan.num_tokens_padded)
         runs[mode] = cfg if isinstance(cfg, str) else _run_mode(FullGraphRunner(model, cfg), chunks, kv, plan.num_tokens)
     return _report(runs, plan, tolerance(next(model.parameters()).dtype))

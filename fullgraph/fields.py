@@ -167,6 +167,27 @@ CORE_FIELDS = FieldTable([
           role="runner", check=invariants.logits_indices),
 ])
 
+# The fields a sampling runner adds (``RunnerConfig(sampling=True)``): per-request parameters of the
+# sampler inside the graph (padded rows: greedy), and each token's source when its id is the
+# previous step's sample, which the graph then reads from its own output (no host round trip).
+SAMPLING_FIELDS = (
+    Field("temperature", np.float32, REQUEST, 0.0, "softmax temperature; 0: greedy", role="sampling",
+          source="caller", default=0.0),
+    Field("top_k", np.int32, REQUEST, -1, "keep the k most likely tokens; -1: all", role="sampling", source="caller",
+          default=-1),
+    Field("top_p", np.float32, REQUEST, 1.0, "keep the most likely tokens summing to top_p; 1: all", role="sampling",
+          source="caller", default=1.0),
+    Field("min_p", np.float32, REQUEST, 0.0, "keep tokens of at least min_p times the top probability",
+          role="sampling", source="caller", default=0.0),
+    Field("seed", np.int64, REQUEST, 0, "the request's random seed (counter-based: with sample_offset)",
+          role="sampling", source="caller", default=0),
+    Field("sample_offset", np.int64, REQUEST, 0, "the request's output position: the RNG counter", role="sampling",
+          source="caller", default=0),
+    Field("prev_token_row", np.int64, TOKEN, -1,
+          "row of the previous step's sampled ids this token's id is; -1: its id is input_ids", role="model",
+          source="caller", default=-1),
+)
+
 
 class StepPlan:
     """Host arrays of one step, one per field of ``fields``, padded to the step's bucket (see

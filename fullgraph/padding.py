@@ -166,7 +166,7 @@ def check(plan: StepPlan, policy: PaddingPolicy) -> None:
     nt, nr = plan.num_tokens, plan.num_reqs
     for name, f in plan.fields.items():
         if f.axis != "step":
-            rule = -1 if name == "slot_mapping" else policy.tail(name)
+            rule = -1 if name == "slot_mapping" else policy.tails.get(name, f.tail)
             _check_tail(plan, name, f.real_rows(nt, nr), rule)
         if f.check is not None:
             f.check(plan)

@@ -189,8 +189,11 @@ def _finish(arrays: Mapping[str, np.ndarray], target: Target, nt: int, nr: int) 
     padded tail past ``nt`` tokens and ``nr`` requests (none where the step fills its bucket)."""
     values = target.values or {}
     for f in target.fields.filled:
-        given = values.get(f.name)
-        arrays[f.name][: f.real_rows(nt, nr)] = f.default if given is None else given
+        given, rows = values.get(f.name), f.real_rows(nt, nr)
+        if given is not None and len(given) != rows:
+            raise ValueError(f"values[{f.name!r}]: {len(given)} values for a step of {nr} chunks / {nt} tokens "
+                             f"(one per {'token' if f.axis == 'token' else 'chunk'}: {rows})")
+        arrays[f.name][:rows] = f.default if given is None else given
     tails = target.policy.tails
     for name, f in target.fields.items():
         arr = arrays[name]

@@ -9,14 +9,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import _compat, padding
+from . import _compat, padding, sampling
 from .attention import AttentionBackend, AttentionMetadata, BackendLimits
 from .attention.backends import resolve_backends
 from .block_ids import BlockIdCache
 from .buffers import StaticBuffers
 from .compile import CompiledStep
 from .config import RunnerConfig, resolve_mode
-from .fields import StepPlan
+from .fields import SAMPLING_FIELDS, StepPlan
 from .graphs import CaptureReport, GraphKey, GraphSet
 from .kernels import compile_ahead
 from .kv_cache import BlockAllocator, KVCacheSpec, allocate_kv_caches
@@ -30,10 +30,15 @@ logger = logging.getLogger("fullgraph")
 
 @dataclass(frozen=True)
 class StepOutput:
-    logits: torch.Tensor       # (num_chunks, vocab) float32: the last token of each chunk (a copy)
-    mode: str                  # how the step ran: "none" | "padded" | "full"
+    """What a step returns (device tensors of the caller's own: later steps never overwrite them)."""
+
+    logits: torch.Tensor | None    # (num_chunks, vocab) float32 of each chunk's last token; None when sampling
+    mode: str                      # how the step ran: "none" | "padded" | "full"
     num_tokens: int
-    num_tokens_padded: int     # the bucket it ran in (== num_tokens when unpadded)
+    num_tokens_padded: int         # the bucket it ran in (== num_tokens when unpadded)
+    token_ids: torch.Tensor | None = None   # (num_chunks,) int64 sampled ids, when sampling
+    logprobs: torch.Tensor | None = None    # (num_chunks, 1 + max_logprobs) float32: the sample's, then the top ones
+    top_ids: torch.Tensor | None = None     # (num_chunks, max_logprobs) int64 ids of the top logprobs
 
 
 class FullGraphRunner:
@@ -73,14 +78,13 @@ class FullGraphRunner:
         self.config = config.replace(num_blocks=num_blocks, attention=dense)
         unique = list({id(b): b for b in self.backends.values()}.values())
         self.policy = padding.compose(*(b.policy for b in unique))
-        self.fields = self.policy.table
+        self.fields = self.policy.table.extended(SAMPLING_FIELDS if config.sampling else ())
         # only backends that plan on the host are asked, every step
         self._preparers = [b for b in unique if type(b).prepare is not AttentionBackend.prepare]
         self.kv_caches = allocate_kv_caches([KVCacheSpec(l.num_kv_heads, l.head_dim) for l in layers],
                                             num_blocks, config.block_size, self.dtype, self.device)
         self.blocks = BlockAllocator(num_blocks)
-        self.buffers = StaticBuffers(self.config, self.fields, {"logits": ((self.vocab_size,), torch.float32)},
-                                     self.device)
+        self.buffers = StaticBuffers(self.config, self.fields, self._output_specs(), self.device)
         for backend in unique:
             self.buffers.add_workspaces(backend.name, backend.workspaces())
         self._graphs = GraphSet(self.device) if self.config.cudagraph == "full" else None
@@ -93,6 +97,16 @@ class FullGraphRunner:
         self._stats = {"steps": 0, "tokens": 0, "padded_tokens": 0, "graph_hits": Counter(),
                        "eager_fallbacks": Counter()}
 
+    def _output_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The step's outputs: logits, or (sampling) ids and, when asked for, logprobs."""
+        cfg = self.config
+        if not cfg.sampling:
+            return {"logits": ((self.vocab_size,), torch.float32)}
+        out = {"token_ids": ((), torch.int64)}
+        if cfg.max_logprobs:
+            out.update(logprobs=((1 + cfg.max_logprobs,), torch.float32), top_ids=((cfg.max_logprobs,), torch.int64))
+        return out
+
     def reset(self) -> None:
         """Forget every request: all KV pages free and zeroed. Captured graphs, compiled code and
         statistics stay, so a runner can serve a fresh workload without capturing again."""
@@ -102,8 +116,10 @@ class FullGraphRunner:
         self._block_ids = BlockIdCache()
 
     # ---- running a step -------------------------------------------------------------------
-    def step(self, chunks: Sequence[SeqChunk], token_ids: torch.Tensor | None = None) -> StepOutput:
-        """Run one step; returns the logits of each chunk's last token.
+    def step(self, chunks: Sequence[SeqChunk], token_ids: torch.Tensor | None = None,
+             values: Mapping[str, Sequence] | None = None) -> StepOutput:
+        """Run one step; returns the logits of each chunk's last token (or, with ``sampling``, a
+        token sampled from them).
 
         The step is queued on the device and this returns without waiting for it (the logits are
         a device tensor). ``token_ids``: optionally, every token id of the step as one
@@ -113,18 +129,24 @@ class FullGraphRunner:
         launched while step N still runs, its ids being step N's samples that never visit the host
         (``generate.greedy(..., overlap=True)``). These ids are range-checked only with
         ``validate=True``, which waits for the device.
+
+        ``values``: the real rows of the step fields a caller fills (``Field.source == "caller"``),
+        field name -> one value per chunk (per token for token fields); with ``sampling`` these are
+        the sampling parameters (``fields.SAMPLING_FIELDS``) and ``prev_token_row``: a token whose
+        id is the previous step's sample of row j says j, and the graph reads that id itself.
         """
         with _compat.inference_mode():
-            return self._step(chunks, token_ids)
+            return self._step(chunks, token_ids, values)
 
-    def _step(self, chunks: Sequence[SeqChunk], token_ids: torch.Tensor | None = None) -> StepOutput:
+    def _step(self, chunks: Sequence[SeqChunk], token_ids: torch.Tensor | None = None,
+              values: Mapping[str, Sequence] | None = None) -> StepOutput:
         cfg = self.config
         pad = cfg.cudagraph != "none"
         if not self._warm and (self._compiled is not None or self._graphs is not None):
             self.warmup()  # compile / capture first: they run their own plans through the staging area
         # padded: planned straight into the staging area. A step refused below leaves it unsent (on
         # CPU it is the buffers themselves, but every step rewrites all of its own bucket).
-        target = Target(self.fields, self.policy, None, self.buffers.staging() if pad else None)
+        target = Target(self.fields, self.policy, values, self.buffers.staging() if pad else None)
         plan = plan_with_cache(chunks, cfg, target, pad, cfg.num_blocks, self.vocab_size, self._block_ids)
         for backend in self._preparers:
             reason = backend.prepare(plan)
@@ -135,11 +157,12 @@ class FullGraphRunner:
         if cfg.validate and pad:
             padding.check(plan, self.policy)
         if not pad:
-            logits, mode = self._run_unpadded(plan, token_ids), "none"
+            outputs, mode = self._run_unpadded(plan, token_ids), "none"
         else:
-            logits, mode = self._run_padded(plan, token_ids)
+            outputs, mode = self._run_padded(plan, token_ids)
         self._count(plan, mode)
-        return StepOutput(logits, mode, plan.num_tokens, plan.num_tokens_padded)
+        return StepOutput(outputs.get("logits"), mode, plan.num_tokens, plan.num_tokens_padded,
+                          outputs.get("token_ids"), outputs.get("logprobs"), outputs.get("top_ids"))
 
     def _check_token_ids(self, token_ids: torch.Tensor, num_tokens: int) -> None:
         ok = (isinstance(token_ids, torch.Tensor) and token_ids.device == self.device
@@ -155,7 +178,7 @@ class FullGraphRunner:
                 i = int(bad.nonzero()[0])
                 raise ValueError(f"token_ids[{i}] = {int(token_ids[i])}: outside the vocabulary [0, {self.vocab_size})")
 
-    def _run_padded(self, plan: StepPlan, token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, str]:
+    def _run_padded(self, plan: StepPlan, token_ids: torch.Tensor | None = None) -> tuple[dict[str, torch.Tensor], str]:
         key = plan.key
         graph = self._graphs is not None and self._graph_for(key, plan)
         self.buffers.upload(token_ids)
@@ -167,10 +190,10 @@ class FullGraphRunner:
             self._graphs.replay(key)
         else:
             self._run_static(key, plan.num_reqs_padded)
-        logits = self.buffers.logits_copy(plan.num_reqs)
+        outputs = {name: self.buffers.output_copy(name, plan.num_reqs) for name in self.buffers.outputs}
         if self._validator is not None:
-            self._validator.after(plan, logits)
-        return logits, "full" if graph else "padded"
+            self._validator.after(plan, outputs)
+        return outputs, "full" if graph else "padded"
 
     def _graph_for(self, key: GraphKey, plan: StepPlan) -> bool:
         if key in self._graphs:
@@ -187,23 +210,52 @@ class FullGraphRunner:
     def _run_static(self, key: GraphKey, num_reqs: int) -> None:
         """The model over the static buffers of one bucket; what a graph captures."""
         num_tokens, decode_only = key
-        outputs = self._forward(self.buffers.views(num_tokens, num_reqs), decode_only)
+        self._write_outputs(self._forward(self._inputs(self.buffers.views(num_tokens, num_reqs)), decode_only),
+                            num_reqs)
+
+    def _inputs(self, fields: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.config.sampling:  # the previous step's samples, which tokens with prev_token_row take
+            fields["feedback"] = self.buffers.feedback
+        return fields
+
+    def _write_outputs(self, outputs: Mapping[str, torch.Tensor], num_reqs: int) -> None:
         for name, dst in self.buffers.output_views(num_reqs).items():
             dst.copy_(outputs[name])
+        if self.config.sampling:
+            self.buffers.feedback[:num_reqs].copy_(outputs["token_ids"])
 
-    def _run_unpadded(self, plan: StepPlan, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def _run_unpadded(self, plan: StepPlan, token_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         inputs = {name: torch.from_numpy(a).to(self.device) for name, a in plan.arrays.items()}
         if token_ids is not None:
             inputs["input_ids"] = token_ids.to(torch.int64).contiguous()
-        return self._forward(inputs, plan.decode_only)["logits"]
+        outputs = self._forward(self._inputs(inputs), plan.decode_only)
+        if self.config.sampling:
+            self._write_outputs(outputs, plan.num_reqs)
+        return {name: t.clone() for name, t in outputs.items()}
 
     def _model_forward(self, inputs: Mapping[str, torch.Tensor], decode_only: bool) -> dict[str, torch.Tensor]:
-        """Model + logits for one step: the function ``compile=True`` compiles. ``inputs``: one
-        tensor per step field (``self.fields``); returns the step's outputs by name."""
+        """Model + logits (+ sampling) for one step: the function ``compile=True`` compiles.
+        ``inputs``: one tensor per step field (``self.fields``); returns the step's outputs by name."""
         metadata = AttentionMetadata.from_step(inputs, self.fields.metadata, self.policy.reads, decode_only,
                                                self.backends)
-        hidden = self.model(inputs["input_ids"], inputs["positions"], self.kv_caches, metadata)   # (T, hidden)
-        return {"logits": self.model.compute_logits(hidden[inputs["logits_indices"]])}          # (R, vocab) float32
+        input_ids = inputs["input_ids"]
+        if self.config.sampling:  # ids sampled by the previous step, read where they lie on the device
+            prev = inputs["prev_token_row"]
+            input_ids = torch.where(prev >= 0, inputs["feedback"][prev.clamp(min=0)], input_ids)
+        hidden = self.model(input_ids, inputs["positions"], self.kv_caches, metadata)             # (T, hidden)
+        logits = self.model.compute_logits(hidden[inputs["logits_indices"]])                      # (R, vocab) float32
+        if not self.config.sampling:
+            return {"logits": logits}
+        return self._sample(logits, inputs)
+
+    def _sample(self, logits: torch.Tensor, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        ids = sampling.sample(logits, inputs["temperature"], inputs["top_k"], inputs["top_p"], inputs["min_p"],
+                              inputs["seed"], inputs["sample_offset"])                            # (R,) int64
+        out = {"token_ids": ids}
+        if self.config.max_logprobs:
+            chosen, top, top_ids = sampling.token_logprobs(logits, ids, self.config.max_logprobs)
+            out.update(logprobs=torch.cat((chosen[:, None], top), dim=1), top_ids=top_ids)
+        return out
 
     @torch.inference_mode()
     def warmup(self) -> None:

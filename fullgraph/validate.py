@@ -33,12 +33,18 @@ class StepValidator:
             cache[:, 0] = float("nan")  # the null block: padded rows may read it, real rows never
         self._snapshot = [c.detach().clone() for c in self.kv_caches]
 
-    def after(self, plan: StepPlan, logits: torch.Tensor) -> None:
-        bad = torch.isnan(logits[: plan.num_reqs]).any(-1)  # -inf is legitimate (masked token ids)
-        if bad.any():
-            raise ValidationError(f"NaN logits in real row {int(bad.nonzero()[0])} "
-                                  "(poison from a padded buffer tail, the null block or stale output)")
-        real = torch.from_numpy(plan.slot_mapping[: plan.num_tokens]).to(logits.device)
+    def after(self, plan: StepPlan, outputs: dict[str, torch.Tensor]) -> None:
+        """Check the step's outputs (real rows only; the copies ``outputs`` holds) and the KV cache."""
+        for name, out in outputs.items():
+            if out.is_floating_point():  # -inf is legitimate (masked token ids), NaN never
+                bad = torch.isnan(out[: plan.num_reqs]).reshape(plan.num_reqs, -1).any(-1)
+            else:                        # an integer row left at its poison (-1) was never written
+                bad = (out[: plan.num_reqs] < 0).reshape(plan.num_reqs, -1).any(-1)
+            if bad.any():
+                raise ValidationError(f"{name}: real row {int(bad.nonzero()[0])} is poisoned (NaN or -1): poison from "
+                                      "a padded buffer tail, the null block or stale output reached it")
+        device = next(iter(outputs.values())).device
+        real = torch.from_numpy(plan.slot_mapping[: plan.num_tokens]).to(device)
         for layer, (old, new) in enumerate(zip(self._snapshot, self.kv_caches)):
             slots = old.shape[1] * old.shape[2]
             # bytes, so a NaN written over a NaN still counts as unchanged

@@ -140,7 +140,7 @@ def test_step_logits_are_a_copy_the_caller_owns():
     kept = first.logits.clone()
     second = runner.step([fg.SeqChunk([7], 1, a)])
     assert torch.equal(first.logits, kept) and not torch.equal(second.logits[0], kept[0])
-    assert first.logits.data_ptr() != runner.buffers.logits.data_ptr() and first.logits.is_inference()
+    assert first.logits.data_ptr() != runner.buffers.outputs["logits"].data_ptr() and first.logits.is_inference()
 
 
 def test_a_bad_decode_step_after_good_ones_is_refused_before_anything_changes():

@@ -34,16 +34,21 @@ COMMON = frozenset({"vocab_size", "hidden_size", "intermediate_size", "num_hidde
 ARCHITECTURES = {  # architecture -> (model_type, extra keys read, transformers' defaults of missing keys)
     "LlamaForCausalLM": ("llama", {"attention_bias", "mlp_bias"}, {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048}),
     "MistralForCausalLM": ("mistral", {"sliding_window"},
-                           {"rms_norm_eps": 1e-6, "max_position_embeddings": 131072, "sliding_window": 4096}),
+                           {"rms_norm_eps": 1e-6, "max_position_embeddings": 131072, "sliding_window": 4096,
+                            "num_key_value_heads": 8}),
     "Qwen2ForCausalLM": ("qwen2", {"sliding_window", "use_sliding_window", "max_window_layers", "layer_types"},
-                         {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "max_window_layers": 28}),
+                         {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "max_window_layers": 28,
+                          "sliding_window": 4096, "num_key_value_heads": 32}),
     "Qwen3ForCausalLM": ("qwen3", {"attention_bias", "sliding_window", "use_sliding_window", "max_window_layers",
                                    "layer_types"},
                          {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "max_window_layers": 28,
-                          "head_dim": 128}),
+                          "head_dim": 128, "sliding_window": 4096, "num_key_value_heads": 32}),
     "Phi3ForCausalLM": ("phi3", {"sliding_window", "original_max_position_embeddings", "partial_rotary_factor"},
                         {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096}),
 }
+# Keys whose explicit null means something (no window; as many KV heads as heads; hidden / heads),
+# unlike a missing key, which takes the default above (Mistral-7B v0.2 stores "sliding_window": null).
+NULLABLE = frozenset({"sliding_window", "num_key_value_heads", "head_dim"})
 REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
@@ -80,7 +85,7 @@ def llama_config(hf: Mapping, source: str = "config.json", default: str | None =
     missing = [k for k in REQUIRED if hf.get(k) is None]
     if missing:
         raise ValueError(f"{source}: {arch} config lacks {missing}")
-    cfg = {**defaults, **{k: v for k, v in hf.items() if v is not None}}
+    cfg = {**defaults, **{k: v for k, v in hf.items() if v is not None or k in NULLABLE}}
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     theta, scaling = rope_from_hf(hf, head_dim, source)
@@ -135,13 +140,17 @@ def llama_state(hf: Mapping[str, torch.Tensor], config: LlamaConfig) -> dict[str
     if config.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
     kinds = ("weight", "bias") if config.attention_bias or config.qkv_bias else ("weight",)
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    d, ffn = config.hidden_size, config.intermediate_size
     for i in range(config.num_layers):
         p = f"layers.{i}."
         if p + "self_attn.qkv_proj.weight" not in sd:
             for kind in kinds:
-                fuse(sd, p + f"self_attn.qkv_proj.{kind}", [p + f"self_attn.{n}_proj.{kind}" for n in "qkv"])
+                fuse(sd, p + f"self_attn.qkv_proj.{kind}", [p + f"self_attn.{n}_proj.{kind}" for n in "qkv"],
+                     [(rows, d)[:2 if kind == "weight" else 1] for rows in (q, kv, kv)])
         if p + "mlp.gate_up_proj.weight" not in sd:
             for kind in ("weight", "bias") if config.mlp_bias else ("weight",):
-                fuse(sd, p + f"mlp.gate_up_proj.{kind}", [p + f"mlp.{n}_proj.{kind}" for n in ("gate", "up")])
+                fuse(sd, p + f"mlp.gate_up_proj.{kind}", [p + f"mlp.{n}_proj.{kind}" for n in ("gate", "up")],
+                     [(ffn, d)[:2 if kind == "weight" else 1]] * 2)
     return sd
 

@@ -65,9 +65,16 @@ def to_model(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, device) ->
     return {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in tensors.items()}
 
 
-def fuse(sd: dict[str, torch.Tensor], fused: str, parts: list[str]) -> None:
-    """Replace ``parts`` of a state dict by their row-wise concatenation under ``fused``."""
+def fuse(sd: dict[str, torch.Tensor], fused: str, parts: list[str],
+         shapes: list[tuple[int, ...]] | None = None) -> None:
+    """Replace ``parts`` of a state dict by their row-wise concatenation under ``fused``;
+    ``shapes``: each part's expected shape (checked first, so an error names the checkpoint's
+    tensor, not the fused one)."""
     missing = [p for p in parts if p not in sd]
     if missing:
         raise ValueError(f"checkpoint lacks {['model.' + p for p in missing]} (needed for {fused})")
+    bad = [f"model.{p}: checkpoint {tuple(sd[p].shape)} vs model {tuple(s)}" for p, s in zip(parts, shapes or ())
+           if tuple(sd[p].shape) != tuple(s)]
+    if bad:
+        raise ValueError(f"checkpoint: tensors of the wrong shape: {bad}")
     sd[fused] = torch.cat([sd.pop(p) for p in parts], dim=0)

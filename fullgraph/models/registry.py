@@ -20,7 +20,7 @@ from torch import nn
 from .hf import ARCHITECTURES as LLAMA_FAMILY
 from .hf import architecture_of, llama_config, llama_state
 from .llama import Llama
-from .loading import load_config, load_safetensors_dir, to_model
+from .loading import load_config, load_generation_config, load_safetensors_dir, to_model
 from .phi3_small import Phi3Small, Phi3SmallConfig, phi3_small_state
 
 logger = logging.getLogger("fullgraph")
@@ -77,7 +77,8 @@ def from_pretrained(path: str | Path, *, dtype: torch.dtype = torch.float32, dev
                     max_model_len: int | None = None) -> nn.Module:
     """A model from a Hugging Face checkpoint directory or a ``.gguf`` file (see the module
     docstring). ``max_model_len``: the longest sequence it will serve (RoPE tables, LongRoPE's
-    factors); default the checkpoint's ``max_position_embeddings``."""
+    factors); default the checkpoint's ``max_position_embeddings``. The model's ``eos_token_ids``
+    are the checkpoint's (``generation_config.json`` and ``config.json``, or the GGUF keys)."""
     path, start = Path(path), time.perf_counter()
     if path.is_file() and path.suffix == ".gguf":
         from .gguf import read_gguf
@@ -85,18 +86,28 @@ def from_pretrained(path: str | Path, *, dtype: torch.dtype = torch.float32, dev
         ckpt = read_gguf(path, dtype=dtype)
         model = build(ckpt.config, ckpt.state_dict, dtype=dtype, device=device, max_model_len=max_model_len,
                       source=path.name)
+        model.eos_token_ids = _ids(ckpt.config.get("eos_token_id"), ckpt.metadata.get("tokenizer.ggml.eot_token_id"))
     elif path.is_dir():
         config = load_config(path)
         _architecture(config, f"{path}/config.json")  # refuse before reading gigabytes
         tensors = load_safetensors_dir(path, dtype=dtype, device=device)
         model = build(config, tensors, dtype=dtype, device=device, max_model_len=max_model_len,
                       source=f"{path}/config.json")
+        model.eos_token_ids = _ids(load_generation_config(path).get("eos_token_id"), config.get("eos_token_id"))
     else:
         raise ValueError(f"{path}: not a checkpoint directory (config.json + *.safetensors) nor a .gguf file")
     size = sum(p.numel() * p.element_size() for p in model.parameters())
     logger.info("fullgraph: loaded %s (%s, %.1f MiB of weights) in %.1f s", path.name, type(model).__name__,
                 size / 2**20, time.perf_counter() - start)
     return model
+
+
+def _ids(*values) -> frozenset[int]:
+    """The end-of-sequence ids a checkpoint declares (each value an int, a list of them, or None)."""
+    out = set()
+    for v in values:
+        out.update([v] if isinstance(v, int) else (v or []))
+    return frozenset(int(i) for i in out)
 
 
 def from_hf(hf_model: nn.Module, *, max_model_len: int | None = None) -> nn.Module:
@@ -115,6 +126,8 @@ def from_hf(hf_model: nn.Module, *, max_model_len: int | None = None) -> nn.Modu
     model.load_own_state(state, source=type(hf_model).__name__, share=True, prefix="model.")
     _point_back(hf_model, hf_params, model)
     model.build_buffers(param.device)
+    generation = getattr(hf_model, "generation_config", None)
+    model.eos_token_ids = _ids(config.get("eos_token_id"), getattr(generation, "eos_token_id", None))
     return model.eval()
 
 

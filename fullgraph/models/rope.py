@@ -133,8 +133,10 @@ _KEYS = {"default": set(), "linear": {"factor"},
          "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
          "yarn": {"factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
                   "mscale", "mscale_all_dim", "truncate"},
-         "longrope": {"short_factor", "long_factor", "original_max_position_embeddings", "short_mscale",
-                      "long_mscale", "attention_factor", "factor"}}
+         # no short_mscale / long_mscale: transformers ignores them for these architectures, and
+         # the remote code of some checkpoints applies them, so they are refused, not guessed
+         "longrope": {"short_factor", "long_factor", "original_max_position_embeddings", "attention_factor",
+                      "factor"}}
 _REQUIRED = {"linear": {"factor"}, "llama3": {"factor", "low_freq_factor", "high_freq_factor",
                                                "original_max_position_embeddings"},
              "yarn": set(), "longrope": {"short_factor", "long_factor", "original_max_position_embeddings"}}
@@ -158,8 +160,8 @@ def rope_from_hf(hf: Mapping, head_dim: int, field: str = "config.json") -> tupl
                          f"(supported: {', '.join(SUPPORTED)})")
     if kind not in SUPPORTED:
         raise ValueError(f"{field}: rope_scaling type {kind!r} is not supported (supported: {', '.join(SUPPORTED)})")
-    if kind in ("longrope", "yarn", "llama3") and "original_max_position_embeddings" not in params \
-            and hf.get("original_max_position_embeddings"):
+    if kind in ("longrope", "yarn", "llama3") and hf.get("original_max_position_embeddings"):
+        # the top-level key wins over the dict's, as in transformers (Phi-3 configs have both)
         params["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
     unknown = set(params) - _KEYS[kind]
     if unknown:

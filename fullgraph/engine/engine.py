@@ -1,0 +1,239 @@
+"""Engine: requests in, tokens and text out, over one sampling runner.
+
+``add_request`` validates a request (a ``ValueError`` naming it and the field, before anything
+changes) and queues it; each ``step()`` schedules (``Scheduler``), runs one runner step (sampling
+inside the graph) and returns a ``RequestOutput`` for every request that got a token, with the
+text that token made final (``delta_text``) and the whole text so far.
+
+The loop is overlapped by default: step N+1 is planned and launched before step N's tokens are
+read, its decode tokens taking step N's samples on the device (``prev_token_row``), so the host's
+work hides behind the device's. Finish decisions (eos, stop strings, ``max_tokens``) therefore lag
+one step: a request that finished at step N still ran in step N+1, whose token for it is dropped.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..plan import SeqChunk
+from ..runner import FullGraphRunner
+from .params import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
+from .scheduler import Request, Scheduler
+from .text import RequestText, tokenizer_token_bytes
+
+
+class _Fetch:
+    """Device-to-host copies of a step's outputs that wait for nothing queued after them: two
+    pinned sets of buffers with an event each, used in turn."""
+
+    def __init__(self, runner: FullGraphRunner) -> None:
+        cuda = runner.device.type == "cuda"
+        self._host = [{name: torch.empty_like(t, device="cpu", pin_memory=cuda) for name, t in
+                       runner.buffers.outputs.items()} for _ in range(2)]
+        self._events = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        self._next = 0
+
+    def start(self, outputs: dict[str, torch.Tensor]) -> int:
+        i, self._next = self._next, self._next ^ 1
+        for name, t in outputs.items():
+            self._host[i][name][: len(t)].copy_(t, non_blocking=True)
+        if self._events[i] is not None:
+            self._events[i].record()
+        return i
+
+    def wait(self, handle: int, rows: int) -> dict[str, np.ndarray]:
+        if self._events[handle] is not None:
+            self._events[handle].synchronize()
+        return {name: t[:rows].numpy() for name, t in self._host[handle].items()}
+
+
+@dataclass
+class _Launched:
+    handle: int
+    rows: list[Request | None]   # per chunk: the request whose next output this row samples
+
+
+class Engine:
+    """Continuous batching over ``runner`` (built with ``sampling=True``); see the module docstring.
+
+    Args:
+        runner: a ``FullGraphRunner(model, sampling=True, ...)``; the engine owns its pages.
+        tokenizer: a transformers tokenizer for text prompts and text out, or None (token ids only).
+        eos_token_ids: ids that end a request (unless ``ignore_eos``).
+        seed: the generator of the seeds of requests that bring none.
+        overlap: plan and launch each step before reading the previous one's tokens.
+    """
+
+    def __init__(self, runner: FullGraphRunner, tokenizer=None, *, eos_token_ids: Iterable[int] = (), seed: int = 0,
+                 overlap: bool = True) -> None:
+        if not runner.config.sampling:
+            raise ValueError("Engine needs a runner that samples in its graph: FullGraphRunner(model, sampling=True)")
+        cfg = runner.config
+        self.runner, self.tokenizer, self.overlap = runner, tokenizer, overlap
+        self.eos_token_ids = frozenset(int(i) for i in eos_token_ids)
+        self.scheduler = Scheduler(runner.blocks, cfg.block_size, cfg.max_num_seqs, cfg.max_num_tokens)
+        self._requests: dict[str, Request] = {}
+        self._seeds = np.random.default_rng(seed)
+        self._fetch = _Fetch(runner)
+        self._inflight: _Launched | None = None
+        self._text_tables = None
+
+    # ---- requests --------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None) -> None:
+        """Queue a request (see the class docstring); raises ``ValueError`` naming it and the field."""
+        params = SamplingParams() if params is None else params
+        who = f"request {request_id!r}"
+        if request_id in self._requests:
+            raise ValueError(f"{who}: request_id: already in use by an unfinished request")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"{who}: params: expected SamplingParams, got {type(params).__name__}")
+        text_prompt, ids = self._prompt_ids(who, prompt)
+        cfg = self.runner.config
+        if len(ids) >= cfg.max_model_len:
+            raise ValueError(f"{who}: prompt: {len(ids)} tokens leave no room to generate within max_model_len "
+                             f"= {cfg.max_model_len}")
+        max_len = min(len(ids) + (params.max_tokens or cfg.max_model_len), cfg.max_model_len)
+        if -(-max_len // cfg.block_size) > cfg.num_blocks - 1:
+            raise ValueError(f"{who}: max_tokens: up to {max_len} tokens need {-(-max_len // cfg.block_size)} KV "
+                             f"pages; the cache has {cfg.num_blocks - 1}")
+        if (params.stop or not params.skip_special_tokens) and self.tokenizer is None:
+            raise ValueError(f"{who}: stop: stop strings need a tokenizer (this engine has none: token ids only)")
+        if (params.logprobs or 0) > cfg.max_logprobs:
+            raise ValueError(f"{who}: logprobs: {params.logprobs} asked for, the runner returns at most "
+                             f"{cfg.max_logprobs} (LLM(max_logprobs=...) / RunnerConfig.max_logprobs)")
+        seed = params.seed if params.seed is not None else int(self._seeds.integers(0, 2**62))
+        text = self._request_text(params) if self.tokenizer is not None else None
+        request = Request(str(request_id), text_prompt, ids, params, seed, text,
+                          RequestMetrics(time.perf_counter(), num_prompt_tokens=len(ids)), max_len,
+                          logprobs=[] if params.logprobs is not None else None)
+        self._requests[request.request_id] = request
+        self.scheduler.add(request)
+
+    def _prompt_ids(self, who: str, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{who}: prompt: a text prompt needs a tokenizer (pass token ids, or a tokenizer)")
+            ids = list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+            text = prompt
+        else:
+            text, ids = None, list(prompt) if isinstance(prompt, Sequence) else None
+            if ids is None:
+                raise ValueError(f"{who}: prompt: expected a str or a sequence of token ids, got {type(prompt).__name__}")
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))
+               or not 0 <= t < self.runner.vocab_size]
+        if bad:
+            raise ValueError(f"{who}: prompt: token id {bad[0]!r} is not an int in [0, {self.runner.vocab_size})")
+        if not ids:
+            raise ValueError(f"{who}: prompt: empty (a request needs at least one token)")
+        return text, [int(t) for t in ids]
+
+    def _request_text(self, params: SamplingParams) -> RequestText:
+        if self._text_tables is None:
+            self._text_tables = tokenizer_token_bytes(self.tokenizer, self.runner.vocab_size)
+        token_bytes, special = self._text_tables
+        return RequestText(token_bytes, special, params.stop, params.skip_special_tokens,
+                           params.include_stop_str_in_output)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now and free its pages (a token of it still in flight is dropped)."""
+        request = self._requests.pop(str(request_id), None)
+        if request is None:
+            raise ValueError(f"request {request_id!r}: request_id: no such unfinished request")
+        request.finish_reason = "abort"
+        self.scheduler.remove(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests) or self._inflight is not None
+
+    # ---- steps -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one step; the outputs of the requests that got a token (see the module docstring)."""
+        launched = self._launch()
+        if self.overlap:
+            done, self._inflight = self._inflight, launched
+        else:
+            done = launched
+        if launched is None and done is None and self._requests:
+            raise RuntimeError(f"the engine cannot schedule its {len(self._requests)} requests: the KV cache "
+                               "cannot hold even one of them (raise num_blocks or lower max_tokens)")
+        return self._collect(done) if done is not None else []
+
+    def _launch(self) -> _Launched | None:
+        prev = {} if self._inflight is None else {id(r): i for i, r in enumerate(self._inflight.rows) if r is not None}
+        slots = self.scheduler.schedule(prev)
+        if not slots:
+            return None
+        chunks, prev_rows, values = [], [], {k: [] for k in ("temperature", "top_k", "top_p", "min_p", "seed",
+                                                             "sample_offset")}
+        for slot in slots:
+            r, p = slot.request, slot.request.params
+            ids = [0] if slot.prev_row >= 0 else r.tokens(slot.start, slot.start + slot.count)
+            chunks.append(SeqChunk(ids, slot.start, r.blocks, request_id=r.request_id))
+            prev_rows += [-1] * (slot.count - 1) + [slot.prev_row]
+            for name, value in (("temperature", p.temperature), ("top_k", p.top_k), ("top_p", p.top_p),
+                                ("min_p", p.min_p), ("seed", r.seed), ("sample_offset", len(r.outputs) + r.pending)):
+                values[name].append(value)
+        out = self.runner.step(chunks, values={**values, "prev_token_row": prev_rows})
+        handle = self._fetch.start({k: v for k, v in (("token_ids", out.token_ids), ("logprobs", out.logprobs),
+                                                      ("top_ids", out.top_ids)) if v is not None})
+        rows = []
+        for slot in slots:
+            slot.request.computed += slot.count
+            slot.request.pending += slot.samples
+            rows.append(slot.request if slot.samples else None)
+        return _Launched(handle, rows)
+
+    def _collect(self, launched: _Launched) -> list[RequestOutput]:
+        got = self._fetch.wait(launched.handle, len(launched.rows))
+        now, outputs = time.perf_counter(), []
+        for i, request in enumerate(launched.rows):
+            if request is None:
+                continue
+            request.pending -= 1
+            if request.finished:  # finished at the step before: this token is the surplus of the overlap
+                continue
+            outputs.append(self._take(request, int(got["token_ids"][i]), got, i, now))
+        return outputs
+
+    def _take(self, request: Request, token: int, got: dict, row: int, now: float) -> RequestOutput:
+        request.outputs.append(token)
+        m = request.metrics
+        m.first_token_time = m.first_token_time or now
+        m.num_generated_tokens += 1
+        if request.logprobs is not None:
+            n = request.params.logprobs
+            entry = {token: float(got["logprobs"][row, 0])}
+            entry.update({int(t): float(lp) for t, lp in zip(got["top_ids"][row, :n], got["logprobs"][row, 1: n + 1])})
+            request.logprobs.append(entry)
+        delta = request.text.add(token) if request.text is not None else ""
+        self._check_finish(request, token)
+        if request.finished:
+            if request.text is not None:
+                delta += request.text.finish()
+            m.finished_time = now
+            self._requests.pop(request.request_id, None)
+            self.scheduler.remove(request)
+        return self._output(request, delta, [token])
+
+    def _check_finish(self, request: Request, token: int) -> None:
+        p = request.params
+        if not p.ignore_eos and token in self.eos_token_ids:
+            request.finish_reason, request.stop_reason = "stop", token
+        elif token in p.stop_token_ids:
+            request.finish_reason, request.stop_reason = "stop", token
+        elif request.text is not None and request.text.stop is not None:
+            request.finish_reason, request.stop_reason = "stop", request.text.stop
+        elif len(request.prompt_ids) + len(request.outputs) >= request.max_len:
+            request.finish_reason = "length"
+
+    def _output(self, request: Request, delta: str, delta_ids: list[int]) -> RequestOutput:
+        completion = CompletionOutput(0, request.text.text if request.text is not None else "", list(request.outputs),
+                                      request.finish_reason, request.stop_reason,
+                                      list(request.logprobs) if request.logprobs is not None else None, delta,
+                                      delta_ids)
+        return RequestOutput(request.request_id, request.prompt, list(request.prompt_ids), [completion],
+                             request.finished, request.metrics)

@@ -1,0 +1,153 @@
+"""Continuous batching: which tokens of which requests run in the next step, and their pages.
+
+Every step runs the running requests' decode tokens first, then fills the token budget
+(``max_num_tokens``) with prefill chunks: unfinished prefills of running requests, then waiting
+requests admitted first come, first served, while fewer than ``max_num_seqs`` run. Pages are taken
+from the runner's allocator as positions need them. When a decode needs a page and none is free,
+the most recently admitted running request is preempted: its pages are freed and it waits at the
+head of the queue, to recompute its prompt and outputs later (same greedy tokens). The scheduler
+owns every request's pages and positions; the caller never passes them.
+
+With the engine's overlapped loop a request's newest token may still be on the device when the
+next step is planned: ``pending`` counts such tokens, and the next step reads them where they lie
+(``Slot.prev_row``). A request's length known to the scheduler includes them.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..kv_cache import BlockAllocator
+from .params import RequestMetrics, SamplingParams
+from .text import RequestText
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    text: RequestText | None
+    metrics: RequestMetrics
+    max_len: int                      # prompt + outputs may not exceed this (max_tokens, max_model_len)
+    outputs: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    blocks: list[int] = field(default_factory=list)
+    computed: int = 0                 # tokens whose KV this request's launched steps write
+    pending: int = 0                  # sampled tokens still on the device
+    order: int = 0                    # admission order (preemption takes the latest)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    @property
+    def length(self) -> int:
+        """Prompt + outputs, the in-flight ones included."""
+        return len(self.prompt_ids) + len(self.outputs) + self.pending
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Host-known token ids of positions ``start .. end - 1`` (prompt, then outputs)."""
+        seq = self.prompt_ids
+        if end > len(seq):
+            seq = seq + self.outputs
+        return seq[start:end]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One chunk of the next step: ``request``'s tokens at positions ``start .. start + count - 1``.
+    ``prev_row``: the last of them is the previous step's sample of that row (else -1).
+    ``samples``: the step's sample of this chunk is the request's next output."""
+
+    request: Request
+    start: int
+    count: int
+    prev_row: int
+    samples: bool
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockAllocator, block_size: int, max_num_seqs: int, max_num_tokens: int) -> None:
+        self.blocks, self.block_size = blocks, block_size
+        self.max_num_seqs, self.max_num_tokens = max_num_seqs, max_num_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._order = itertools.count()
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def remove(self, request: Request) -> None:
+        """Drop a finished or aborted request and free its pages (safe while a launched step still
+        uses them: every later step runs after it on the device)."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._free(request)
+
+    def _free(self, request: Request) -> None:
+        if request.blocks:
+            self.blocks.free(request.blocks)
+        request.blocks = []
+        request.computed = 0
+
+    def _ensure_pages(self, request: Request, end: int) -> bool:
+        """Pages covering positions ``< end`` (False, taking none, if too few are free)."""
+        need = -(-end // self.block_size) - len(request.blocks)
+        if need <= 0:
+            return True
+        if need > self.blocks.num_free:
+            return False
+        request.blocks.extend(self.blocks.allocate(need))  # in place: the runner's block-id cache sees the change
+        return True
+
+    def _preempt_latest(self) -> Request:
+        """Preempt the latest-admitted running request (never one already in this step's chunks:
+        those were admitted earlier); returns it."""
+        victim = max(self.running, key=lambda r: r.order)
+        self.running.remove(victim)
+        self._free(victim)
+        victim.metrics.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        return victim
+
+    def schedule(self, prev_rows: dict[int, int]) -> list[Slot]:
+        """The next step's chunks. ``prev_rows``: id(request) -> its row in the step still in flight
+        (requests whose newest token is that step's sample)."""
+        slots, budget = [], self.max_num_tokens
+        for request in sorted(self.running, key=lambda r: r.order):  # decodes first, oldest first
+            if request not in self.running or request.computed < request.length - 1 or request.length >= request.max_len:
+                continue
+            while not self._ensure_pages(request, request.length) and self._preempt_latest() is not request:
+                pass
+            if request not in self.running:
+                continue
+            slots.append(Slot(request, request.computed, 1, prev_rows.get(id(request), -1), True))
+            budget -= 1
+        for request in [r for r in self.running if r.computed < r.length - 1]:  # unfinished prefills
+            budget = self._prefill(request, budget, slots)
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            if request.pending or not self._ensure_pages(request, min(request.length, request.computed + budget)):
+                break
+            self.waiting.popleft()
+            request.order = next(self._order)
+            self.running.append(request)
+            budget = self._prefill(request, budget, slots)
+        return slots
+
+    def _prefill(self, request: Request, budget: int, slots: list[Slot]) -> int:
+        """A chunk of ``request``'s remaining prompt (and, after preemption, its outputs)."""
+        todo = request.length - request.computed
+        count = min(todo, budget)
+        if count <= 0 or not self._ensure_pages(request, request.computed + count):
+            return budget
+        slots.append(Slot(request, request.computed, count, -1, count == todo))
+        return budget - count

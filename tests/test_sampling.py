@@ -1,0 +1,367 @@
+"""In-graph sampling: the RNG, the reference against exact float64 distributions, the Triton kernel
+(interpreter on CPU) against the reference, capture and compile.
+
+The statistical tests draw N single-token samples of one row (offsets 0 .. N-1) and compare the
+counts with the filtered distribution computed here in float64 by a chi-square bound that a wrong
+filter order fails (shown by `test_wrong_order_fails_the_bound`).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from fullgraph.kernels import sampling as kernel
+from fullgraph.sampling import gumbel_noise, philox4x32, sample, sample_reference, token_logprobs
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+INF = float("inf")
+gpu = pytest.mark.gpu
+
+
+def make_params(rows: int, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=1234, offsets=None,
+                device=DEVICE) -> dict[str, torch.Tensor]:
+    full = lambda v, dt: (v.to(device, dt) if torch.is_tensor(v) else torch.full((rows,), v, dtype=dt, device=device))
+    return dict(temperature=full(temperature, torch.float32), top_k=full(top_k, torch.int32),
+                top_p=full(top_p, torch.float32), min_p=full(min_p, torch.float32), seeds=full(seed, torch.int64),
+                offsets=full(0, torch.int64) if offsets is None else offsets.to(device, torch.int64))
+
+
+def run_kernel(logits: torch.Tensor, params: dict, **knobs) -> torch.Tensor:
+    """The kernel's launcher with tuning knobs, on DEVICE (the interpreter on CPU); ids on logits' device."""
+    out = kernel.launch(logits.to(DEVICE), *(v.to(DEVICE) for v in params.values()), **knobs)
+    return out.to(logits.device)
+
+
+def realistic_logits(vocab: int, seed: int) -> torch.Tensor:
+    """A spread like a language model's: a Gaussian bulk, a few dominant tokens, some masked ids."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(vocab, generator=g) * 2.0
+    x[torch.randperm(vocab, generator=g)[:12]] += torch.linspace(3.0, 7.0, 12)
+    x[torch.randperm(vocab, generator=g)[:5]] = -INF
+    return x
+
+
+def exact_probs(logits: torch.Tensor, t: float, k: int = 0, p: float = 1.0, min_p: float = 0.0,
+                order: str = "kpm", minp_scaled: bool = True) -> torch.Tensor:
+    """The filtered distribution in float64. ``order`` lists the filters as applied (k, p, m);
+    the spec is "kpm" with min-p relative to the temperature-scaled distribution."""
+    s = logits.double() / t
+    keep = torch.isfinite(s)
+    for f in order:
+        live = torch.where(keep, s, -INF)
+        if f == "k" and 0 < k < len(s):
+            keep &= s >= live.sort(descending=True).values[k - 1]
+        elif f == "p" and p < 1:
+            e = torch.exp(live - live.max())
+            srt = e.sort(descending=True).values
+            j = int((srt.cumsum(0) < p * srt.sum()).sum().clamp(max=len(s) - 1))
+            keep &= e >= srt[j]
+        elif f == "m" and min_p > 0:
+            ref = s if minp_scaled else logits.double()
+            keep &= torch.exp(ref - ref[keep].max()) >= min_p
+    probs = torch.where(keep, torch.exp(s - s[keep].max()), 0.0)
+    return probs / probs.sum()
+
+
+def chi_square(tokens: torch.Tensor, probs: torch.Tensor) -> tuple[float, float]:
+    """(statistic, bound): bins of expected count >= 5, the rest pooled; a sampled token of
+    probability 0 gives an infinite statistic. The bound is df + 6 sqrt(2 df) + 10."""
+    n = tokens.numel()
+    counts = torch.bincount(tokens.cpu(), minlength=len(probs)).double()
+    if counts[probs == 0].sum() > 0:
+        return INF, 0.0
+    expected = probs * n
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big & (probs > 0)].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big & (probs > 0)].sum()[None]])
+    obs, exp = obs[exp > 0], exp[exp > 0]
+    df = len(exp) - 1
+    return float(((obs - exp) ** 2 / exp).sum()), df + 6 * math.sqrt(2 * df) + 10
+
+
+SETTINGS = {  # name: (temperature, top_k, top_p, min_p)
+    "t0.5": (0.5, 0, 1.0, 0.0), "t1": (1.0, 0, 1.0, 0.0), "t2": (2.0, 0, 1.0, 0.0),
+    "top_k": (1.0, 20, 1.0, 0.0), "top_p": (1.3, 0, 0.8, 0.0), "min_p": (1.5, 0, 1.0, 0.05),
+    "k+p": (1.0, 25, 0.6, 0.0), "k+p+m": (0.8, 50, 0.9, 0.02), "p+m": (2.0, 0, 0.7, 0.01),
+}
+N_SAMPLES = 8000
+
+
+def draw(logits_row: torch.Tensor, setting, n: int = N_SAMPLES, sampler=sample_reference, seed: int = 7):
+    t, k, p, m = setting
+    params = make_params(n, temperature=t, top_k=k, top_p=p, min_p=m, seed=seed, offsets=torch.arange(n),
+                         device=torch.device("cpu"))
+    return sampler(logits_row[None].expand(n, -1).contiguous(), **params)
+
+
+# --------------------------------------------------------------------------------------------- RNG
+def test_philox_known_answers():
+    """Random123's known-answer vectors for Philox4x32-10."""
+    vectors = [((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+               ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+               ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+                (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1))]
+    for ctr, key, want in vectors:
+        got = philox4x32(tuple(torch.tensor([c]) for c in ctr), tuple(torch.tensor([k]) for k in key))
+        assert [int(w) for w in got] == list(want)
+
+
+@triton.jit
+def _triton_philox_kernel(ctr_ptr, out_ptr, seed, N: tl.constexpr):
+    i = tl.arange(0, N)
+    r0, r1, r2, r3 = tl.philox(seed, tl.load(ctr_ptr + i).to(tl.uint32), tl.load(ctr_ptr + N + i).to(tl.uint32),
+                               tl.load(ctr_ptr + 2 * N + i).to(tl.uint32), tl.load(ctr_ptr + 3 * N + i).to(tl.uint32))
+    tl.store(out_ptr + i, r0.to(tl.int64))
+    tl.store(out_ptr + N + i, r1.to(tl.int64))
+    tl.store(out_ptr + 2 * N + i, r2.to(tl.int64))
+    tl.store(out_ptr + 3 * N + i, r3.to(tl.int64))
+
+
+def test_philox_matches_triton_philox():
+    """An independent implementation: Triton's own tl.philox on the same counters and key."""
+    n, seed = 64, -0x123456789ABCDEF
+    ctr = torch.randint(0, 2**32, (4, n), dtype=torch.int64)
+    out = torch.zeros(4, n, dtype=torch.int64, device=DEVICE)
+    _triton_philox_kernel[(1,)](ctr.to(DEVICE), out, seed, N=n)
+    want = philox4x32(tuple(ctr), (torch.tensor(seed & 0xFFFFFFFF), torch.tensor((seed >> 32) & 0xFFFFFFFF)))
+    assert torch.equal(out.cpu(), torch.stack(want))
+
+
+def test_gumbel_noise_is_counter_based_and_gumbel():
+    seeds, offsets = torch.tensor([5, 5, -9]), torch.tensor([0, 1, 2**40 + 3])
+    g = gumbel_noise(seeds, offsets, 20_001)                                # (3, V)
+    assert torch.equal(g[1, :777], gumbel_noise(seeds[1:2], offsets[1:2], 777)[0])   # no dependence on V, row
+    assert not torch.equal(g[0], g[1])
+    assert torch.isfinite(g).all()
+    assert abs(g.mean().item() - 0.5772) < 0.02 and abs(g.var().item() - math.pi ** 2 / 6) < 0.05
+
+
+# ------------------------------------------------------------------------------ the reference's law
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_reference_matches_the_exact_distribution(name):
+    logits = realistic_logits(1000, seed=3)
+    t, k, p, m = SETTINGS[name]
+    stat, bound = chi_square(draw(logits, SETTINGS[name]), exact_probs(logits, t, k, p, m))
+    assert stat < bound, f"{name}: chi-square {stat:.1f} >= bound {bound:.1f}"
+
+
+WRONG = {  # name: (setting, how the wrong implementation differs)
+    "top-p before top-k": ((1.0, 25, 0.6, 0.0), dict(order="pkm")),
+    "min-p before top-p": ((1.3, 0, 0.7, 0.03), dict(order="mp")),
+    "min-p on unscaled logits": ((2.0, 0, 1.0, 0.1), dict(minp_scaled=False)),
+}
+
+
+@pytest.mark.parametrize("name", list(WRONG))
+def test_wrong_order_fails_the_bound(name):
+    """A Gumbel-max sampler over a wrongly filtered set fails the bound the reference passes."""
+    logits = realistic_logits(1000, seed=3)
+    (t, k, p, m), how = WRONG[name]
+    right, wrong = exact_probs(logits, t, k, p, m), exact_probs(logits, t, k, p, m, **how)
+    assert (right - wrong).abs().sum() / 2 > 0.02                       # the orders really differ here
+    s = logits / t
+    keep = wrong > 0
+    tokens = torch.where(keep, s + gumbel_noise(torch.full((N_SAMPLES,), 7), torch.arange(N_SAMPLES), 1000),
+                         -INF).argmax(-1)
+    stat, bound = chi_square(tokens, right)
+    assert stat > bound, f"{name}: the wrong order passed (chi-square {stat:.1f} < {bound:.1f})"
+    stat, bound = chi_square(draw(logits, (t, k, p, m)), right)
+    assert stat < bound
+
+
+# --------------------------------------------------------------------------- rows, seeds, padding
+SAMPLERS = {"reference": sample_reference, "kernel": lambda x, **p: run_kernel(x, p, block=512)}
+
+
+@pytest.mark.parametrize("impl", list(SAMPLERS))
+def test_greedy_rows_are_the_argmax(impl):
+    logits = torch.randn(6, 1500, device=DEVICE) * 3
+    logits[1, [40, 900]] = 50.0                           # a tie: the lowest id wins
+    logits[2, 1400] = 40.0                                # the max in a later chunk
+    logits[3] = -INF
+    logits[4, :] = -INF
+    logits[4, 1234] = -3.0                                # one finite
+    logits[5, ::3] = float("nan")                         # NaN counts as -inf
+    got = SAMPLERS[impl](logits, **make_params(6, temperature=torch.tensor([0.0, 0.0, -1.0, 0.0, 0.0, 0.0])))
+    want = torch.where(torch.isnan(logits), -INF, logits).argmax(-1)
+    assert got.tolist() == want.tolist() and got[1] == 40 and got[3] == 0 and got[4] == 1234
+
+
+@pytest.mark.parametrize("impl", list(SAMPLERS))
+def test_padded_and_degenerate_rows_stay_in_range(impl):
+    rows, vocab = 8, 1100
+    logits = torch.randn(rows, vocab, device=DEVICE)
+    logits[0] = 0.0                                       # a padded row of zeros
+    logits[1] = -INF                                      # nothing finite
+    logits[2] = float("nan")
+    logits[3, :] = -INF
+    logits[3, 777] = 1.0                                  # one finite token: always sampled
+    logits[4, ::2] = float("nan")
+    params = make_params(rows, temperature=torch.tensor([0.0, 1.0, 0.7, 1.0, 1.0, 0.0, 1e-6, 5.0]),
+                         top_k=torch.tensor([0, 5, 0, 3, 0, 0, 0, 1]), top_p=0.9, min_p=0.05)
+    got = SAMPLERS[impl](logits, **params)
+    assert ((got >= 0) & (got < vocab)).all()
+    assert got[1] == 0 and got[2] == 0 and got[3] == 777
+    assert torch.isfinite(logits[4, got[4]]) and got[6] == logits[6].argmax()
+
+
+@pytest.mark.parametrize("impl", list(SAMPLERS))
+def test_seeds_reproduce_across_batch_composition(impl):
+    """(seed, offset) alone picks the token: alone in a batch of 1 or at rows 17/30/63 of a batch of 64
+    mixed with other settings; other seeds give other tokens."""
+    sampler, vocab = SAMPLERS[impl], 1200
+    row = realistic_logits(vocab, seed=11).to(DEVICE)
+    g = torch.Generator().manual_seed(5)
+    batch = (torch.randn(64, vocab, generator=g) * 3).to(DEVICE)
+    params = make_params(64, temperature=torch.rand(64, generator=g) * 2, top_k=torch.randint(0, 100, (64,), generator=g),
+                         top_p=torch.rand(64, generator=g) * 0.5 + 0.5, min_p=torch.rand(64, generator=g) * 0.1,
+                         seed=torch.randint(0, 2**62, (64,), generator=g), offsets=torch.randint(0, 9999, (64,), generator=g))
+    settings = {17: (1.0, 0, 1.0, 0.0), 30: (0.8, 40, 0.9, 0.0), 63: (1.5, 0, 0.95, 0.02)}
+    singles = {}
+    for r, (t, k, p, m) in settings.items():
+        batch[r] = row
+        for name, v in dict(temperature=t, top_k=k, top_p=p, min_p=m, seeds=99 + r, offsets=123 + r).items():
+            params[name][r] = v
+        singles[r] = sampler(row[None], **make_params(1, temperature=t, top_k=k, top_p=p, min_p=m, seed=99 + r,
+                                                      offsets=torch.tensor([123 + r])))
+    got = sampler(batch, **params)
+    assert {r: int(got[r]) for r in settings} == {r: int(v[0]) for r, v in singles.items()}
+    rows = row[None].expand(12, -1).contiguous()
+    a = sampler(rows, **make_params(12, temperature=2.0, seed=1, offsets=torch.arange(12)))
+    b = sampler(rows, **make_params(12, temperature=2.0, seed=2, offsets=torch.arange(12)))
+    assert (a != b).sum() >= 6
+
+
+# ------------------------------------------------------------------------------ kernel == reference
+def random_batch(rows: int, vocab: int, seed: int) -> tuple[torch.Tensor, dict]:
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=g) * (torch.rand(rows, 1, generator=g) * 4 + 0.5)
+    logits[:, torch.randperm(vocab, generator=g)[:20]] = -INF
+    logits[::5, :vocab // 2] = torch.round(logits[::5, :vocab // 2] * 4) / 4      # bf16-like ties
+    kind = torch.randint(0, 8, (rows,), generator=g)          # greedy, temperature, k, p, m, k+p, k+m, all
+    on = lambda *kinds: torch.isin(kind, torch.tensor(kinds))
+    params = make_params(
+        rows, temperature=torch.where(kind == 0, 0.0, torch.rand(rows, generator=g) * 1.8 + 0.2),
+        top_k=torch.where(on(2, 5, 6, 7), torch.randint(1, 200, (rows,), generator=g), 0),
+        top_p=torch.where(on(3, 5, 7), torch.rand(rows, generator=g) * 0.7 + 0.3, 1.0),
+        min_p=torch.where(on(4, 6, 7), torch.rand(rows, generator=g) * 0.3, 0.0),
+        seed=torch.randint(-2**62, 2**62, (rows,), generator=g), offsets=torch.randint(0, 2**40, (rows,), generator=g),
+        device=torch.device("cpu"))
+    return logits, params
+
+
+@pytest.mark.parametrize("vocab,knobs", [
+    (1000, dict(block=1024)),                                   # one chunk
+    (2500, dict(block=512, num_chunks=3, refine_above=8)),      # several chunks, a short last one; level 2
+    (1537, dict(block=512, num_chunks=3, cand_block=16)),       # undecided lists past the registers
+])
+def test_kernel_matches_reference(vocab, knobs):
+    logits, params = random_batch(20 if knobs.get("cand_block") else 40, vocab, seed=vocab)
+    ws: dict = {}
+    assert run_kernel(logits, params, workspace=ws, **knobs).tolist() == sample_reference(logits, **params).tolist()
+    sampled = params["temperature"] > 0
+    if "cand_block" in knobs:                                   # the refined (and slow) select paths ran
+        assert (ws["part_i"][..., 2].sum(-1).cpu()[sampled] > knobs["cand_block"]).sum() >= 3
+    if "refine_above" in knobs:                                 # some rows took the level-2 histogram
+        filtered = sampled & ((params["top_k"] > 0) | (params["top_p"] < 1))
+        assert (ws["zones"][:, 2].cpu()[filtered] > 0).sum() >= 3
+
+
+def test_kernel_slow_path_on_a_huge_tie():
+    """A tie of 300 tokens straddling the k-th largest: one bucket holds more than the select pass's
+    registers, so it falls back to re-reading the row; every tied token is kept (the tie rule)."""
+    vocab, rows = 1200, 6
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(rows, vocab, generator=g) - 3.0
+    logits[:, :10] = 5.0 + torch.rand(rows, 10, generator=g)
+    logits[:, 100:400] = 3.0
+    params = make_params(rows, temperature=1.0, top_k=torch.tensor([50, 50, 200, 0, 50, 311]),
+                         top_p=torch.tensor([1.0, 0.9999, 1.0, 0.9999, 0.5, 1.0]), seed=torch.arange(rows),
+                         device=torch.device("cpu"))
+    got = run_kernel(logits, params, block=512, cand_block=64)
+    assert got.tolist() == sample_reference(logits, **params).tolist()
+    many = make_params(24, temperature=1.0, top_k=50, offsets=torch.arange(24), device=torch.device("cpu"))
+    tokens = run_kernel(logits[:1].expand(24, -1).contiguous(), many, block=512, cand_block=64)
+    assert ((tokens >= 100) & (tokens < 400)).sum() > 10 and ((tokens < 10) | (tokens >= 100) & (tokens < 400)).all()
+
+
+def test_kernel_default_config_matches_reference():
+    logits, params = random_batch(24, 3000, seed=1)
+    assert run_kernel(logits, params).tolist() == sample_reference(logits, **params).tolist()
+
+
+# ---------------------------------------------------------------------------- compile and capture
+def test_compile_fullgraph_reference_matches_eager():
+    logits, params = random_batch(16, 1000, seed=4)
+    logits, params = logits.to(DEVICE), {k: v.to(DEVICE) for k, v in params.items()}
+    eager = sample_reference(logits, **params)
+    assert torch.compile(sample_reference, fullgraph=True)(logits, **params).tolist() == eager.tolist()
+
+
+def test_compile_fullgraph_sample_and_kernel_match_eager():
+    """``sample`` (the reference on CPU, the kernel on CUDA) and the kernel op itself: on CPU
+    Inductor calls the op, which runs the Triton interpreter."""
+    logits, params = random_batch(8, 1000, seed=4)
+    logits, params = logits.to(DEVICE), {k: v.to(DEVICE) for k, v in params.items()}
+    eager = sample_reference(logits, **params)
+    assert torch.compile(sample, fullgraph=True)(logits, **params).tolist() == eager.tolist()
+    op = torch.compile(lambda x, p: torch.ops.fullgraph.sample(x, *p.values()), fullgraph=True)
+    assert op(logits, params).tolist() == eager.tolist()
+
+
+@gpu
+def test_cuda_graph_replay_matches_eager():
+    rows, vocab = 48, 32_000
+    static_logits, static_params = random_batch(rows, vocab, seed=0)
+    static_logits, static_params = static_logits.cuda(), {k: v.cuda() for k, v in static_params.items()}
+    for _ in range(2):
+        sample(static_logits, **static_params)                  # JIT outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = sample(static_logits, **static_params)
+    for seed in (1, 2, 3):
+        logits, params = random_batch(rows, vocab, seed=seed)
+        static_logits.copy_(logits)
+        for k, v in params.items():
+            static_params[k].copy_(v)
+        graph.replay()
+        assert static_out.tolist() == sample(static_logits, **static_params).tolist()
+
+
+@gpu
+@pytest.mark.parametrize("vocab", [32_000, 128_256])
+def test_kernel_matches_reference_on_gpu(vocab):
+    """Same tokens up to float ties: GPU exp/log differ from PyTorch's in the last bit."""
+    logits, params = random_batch(96, vocab, seed=vocab)
+    logits, params = logits.cuda(), {k: v.cuda() for k, v in params.items()}
+    got, want = sample(logits, **params), sample_reference(logits, **params)
+    assert (got != want).sum() <= 1
+
+
+# -------------------------------------------------------------------------------------- logprobs
+def test_token_logprobs_match_float64():
+    logits = torch.randn(5, 300, device=DEVICE) * 4
+    logits[1, :100] = -INF
+    logits[2] = -INF
+    ids = torch.tensor([3, 150, 0, 299, 7], device=DEVICE)
+    chosen, top, top_ids = token_logprobs(logits, ids, 4)
+    ref = torch.log_softmax(logits.double(), -1)
+    ok = torch.arange(5, device=DEVICE) != 2
+    torch.testing.assert_close(chosen[ok].double(), ref[ok].gather(1, ids[ok, None])[:, 0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(top[ok].double(), ref[ok].topk(4, -1).values, rtol=1e-5, atol=1e-5)
+    assert torch.equal(top_ids[ok], ref[ok].topk(4, -1).indices)
+    assert (chosen[2] == -INF) and (top[2] == -INF).all() and not torch.isnan(top).any()
+
+
+def test_sample_rejects_bad_parameters():
+    logits = torch.randn(3, 50)
+    params = make_params(3, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="top_k must be \\(3,\\) torch.int32"):
+        sample(logits, **{**params, "top_k": params["top_k"].long()})
+    with pytest.raises(ValueError, match="logits must be a floating"):
+        sample(logits[0], **params)
