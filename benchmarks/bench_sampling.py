@@ -1,6 +1,6 @@
 """How much does in-graph sampling add to a step?
 
-    python benchmarks/bench_sampling.py [--out bench_sampling.json]
+    python benchmarks/bench_sampling.py [--out bench_sampling.json] [--skip-reference] [--zones] [--passes]
 
 GPU script: prints a table, writes JSON only with ``--out``, never asserts on time. For V = 128256
 and batches of 1/32/64 it times ``fullgraph.sampling.sample`` (the Triton kernel),
@@ -9,6 +9,8 @@ CUDA graph of back-to-back calls on fresh logits per call (so every call reads H
 sampler does). Settings: greedy, top-p 0.9, top-k 50 + top-p 0.95, min-p 0.1 (temperature 1).
 Logits: "peaked" (bf16-rounded, a Gaussian bulk of std 2.5 and 20 dominant tokens, like a
 language model's) and "flat" (std-1 Gaussian: top-p keeps most of the vocabulary, the hard case).
+``--zones`` prints how many undecided tokens reach the select pass, ``--passes`` times each kernel
+launch alone at batch 32.
 """
 from __future__ import annotations
 
@@ -74,30 +76,32 @@ def print_zones(gen: torch.Generator, batch: int = 64) -> None:
         for name, setting in SETTINGS.items():
             ws: dict = {}
             kernel.launch(x, *params(batch, setting), workspace=ws)
-            n = ws["zones"][:, 3].float().cpu() if setting[0] > 0 else torch.zeros(batch)
+            n = ws["part_i"][..., 2].sum(-1).float().cpu() if setting[0] > 0 else torch.zeros(batch)
             print(f"zones {kind:7s} {name:22s} undecided median {n.median():7.0f} max {n.max():7.0f} "
                   f"rows over {kernel.CAND_BLOCK}: {int((n > kernel.CAND_BLOCK).sum())}/{batch}")
 
 
 def print_passes(gen: torch.Generator, batch: int = 32) -> None:
     """Microseconds of each of the kernel's launches, replayed alone as a CUDA graph."""
+    names = ("_max_kernel", "_hist_kernel", "_compact_kernel", "_select_kernel")
     for kind in ("peaked", "flat"):
         x = make_logits(kind, batch, gen)
         for name, setting in SETTINGS.items():
-            calls = []
-            names = ("_max_kernel", "_hist_kernel", "_compact_kernel", "_select_kernel")
+            calls: list = []
             saved = {n: getattr(kernel, n) for n in names}
             for n in names:
                 setattr(kernel, n, _Recorder(saved[n], n, calls))
             try:
-                ps = params(batch, setting)
-                kernel.launch(x, *ps)
+                kernel.launch(x, *params(batch, setting))
             finally:
                 for n in names:
                     setattr(kernel, n, saved[n])
-            # select and compact first: replaying the histogram pass alone keeps adding to the counts
-            us = {n: time_calls(lambda _: f(), [None], reps=10) for n, f in sorted(calls, key=lambda c: (3, 2, 0, 1).index(names.index(c[0])))}
-            print(f"passes {kind:7s} {name:22s} " + "  ".join(f"{n[1:-7]} {us[n]:6.1f}" for n in names) + " us",
+            # Replayed alone, a histogram pass keeps adding to the counts and resets the zones:
+            # time select and compact first, then max, then the histogram levels.
+            order = [4, 3, 0, 1, 2]                      # calls: max, hist 1, hist 2, compact, select
+            us = {i: time_calls(lambda _: calls[i][1](), [None], reps=10) for i in order}
+            labels = ("max", "hist1", "hist2", "compact", "select")
+            print(f"passes {kind:7s} {name:22s} " + "  ".join(f"{labels[i]} {us[i]:6.1f}" for i in range(5)) + " us",
                   flush=True)
 
 

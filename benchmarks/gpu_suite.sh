@@ -2,6 +2,8 @@
 # One GPU session in few calls: `bash benchmarks/gpu_suite.sh PART...` with PART in
 #   env tests tests-all targets kernels linear pdl-ab sdpa-ab diag profile-phi3 core core-fast phi3 phi3-fast capture
 #   capture-ahead compile compile-time final
+#   baseline (decode rows of the tree in .base/, e.g. `git archive <commit> fullgraph | tar -x -C .base`, beside ours)
+#   peers (the decode table beside a naive whole-model graph and reduce-overhead) window serve engine sanitize
 # Logs and JSON land in $OUT (or ./out); each part has its own time limit so a call stays bounded.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -19,12 +21,55 @@ run() {  # run NAME LIMIT_S CMD...: tee to $OUT/NAME.log, report status and seco
 
 for part in "$@"; do
 case $part in
+baseline)  # the same decode rows at an earlier commit (.base) and now, in one process each, back to back
+    for tree in .base .; do
+        tag=$([ "$tree" = . ] && echo new || echo old)
+        PYTHONPATH=$tree run "decode_llama1b_$tag" 100 python3 -m fullgraph.bench decode --preset llama-1b --batch 1 32 \
+            --context 1024 --modes full --steps 40 --loop sync overlap --out "$OUT/decode_llama1b_$tag.json"
+        PYTHONPATH=$tree run "decode_phi3_$tag" 120 python3 -m fullgraph.bench decode --preset phi3-small-8k --batch 1 \
+            --context 2048 --modes full --steps 40 --loop sync overlap --out "$OUT/decode_phi3_$tag.json"
+    done
+    ;;
+peers)  # each row beside the naive whole-model CUDA graph and torch.compile(mode="reduce-overhead")
+    run peers_llama1b 150 python3 -m fullgraph.bench decode --preset llama-1b --batch 1 32 --context 1024 --modes full \
+        --steps 30 --loop sync overlap --peers --out "$OUT/peers_llama1b.json"
+    run peers_smollm2 120 python3 -m fullgraph.bench decode --preset smollm2-135m --batch 1 32 --context 1024 \
+        --modes full --steps 30 --loop sync overlap --peers --out "$OUT/peers_smollm2.json"
+    run peers_llama8b 150 python3 -m fullgraph.bench decode --preset llama-8b --batch 1 --context 1024 --modes full \
+        --steps 30 --loop sync overlap --peers --out "$OUT/peers_llama8b.json"
+    run peers_phi3 150 python3 -m fullgraph.bench decode --preset phi3-small-8k --batch 1 --context 2048 --modes full \
+        --steps 30 --loop sync overlap --peers --out "$OUT/peers_phi3.json"
+    ;;
+window)  # Mistral-7B shape at 16K: a 4096-token sliding window skips pages; the same model without it
+    for preset in mistral-7b mistral-7b-dense; do
+        run "window_$preset" 120 python3 -m fullgraph.bench decode --preset $preset --batch 1 8 --context 16384 \
+            --modes full --steps 20 --out "$OUT/window_$preset.json"
+    done
+    ;;
+serve)
+    run serve_llama1b 240 python3 -m fullgraph.bench serve --preset llama-1b --requests 256 --input-len 512 \
+        --output-len 128 --max-num-seqs 64 --max-num-tokens 2048 --peer-hf --out "$OUT/serve_llama1b.json"
+    run serve_phi3 200 python3 -m fullgraph.bench serve --preset phi3-small-8k --requests 256 --input-len 512 \
+        --output-len 128 --max-num-seqs 64 --max-num-tokens 2048 --out "$OUT/serve_phi3.json"
+    ;;
+engine)
+    run engine_overhead 150 python3 benchmarks/engine_overhead.py --out "$OUT/engine_overhead.json"
+    run sampling 90 python3 benchmarks/bench_sampling.py --out "$OUT/sampling.json"
+    ;;
+sanitize)  # quick: triton and block-sparse kernels, with programmatic dependent launch and without
+    run sanitize 200 python3 benchmarks/sanitize.py --quick --tools initcheck memcheck --timeout 90 --out "$OUT/sanitize.json"
+    FULLGRAPH_PDL=0 run sanitize_nopdl 120 python3 benchmarks/sanitize.py --quick --tools initcheck --timeout 100 \
+        --out "$OUT/sanitize_nopdl.json"
+    ;;
+sanitize-all)
+    run sanitize_all 580 python3 benchmarks/sanitize.py --timeout 140 --out "$OUT/sanitize_all.json"
+    ;;
 env)
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/env.txt"
     python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/env.txt"
     ;;
 tests)
-    run gpu_tests 420 python3 -m pytest -m gpu -q -x -p no:cacheprovider --durations=15 tests
+    run gpu_tests 330 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=25 --timeout 150 tests
     ;;
 tests-all)
     run gpu_tests 420 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=15 tests

@@ -12,21 +12,47 @@ from collections.abc import Sequence
 import numpy as np
 
 
+class IdsError(ValueError):
+    """An id that is not an integer: ``seq`` is the index of its sequence, ``value`` the value."""
+
+    def __init__(self, seq: int, value: object) -> None:
+        super().__init__(f"expected integers, got {type(value).__name__} {value!r:.40}")
+        self.seq, self.value = seq, value
+
+
+def is_int(value: object) -> bool:
+    return type(value) is int or (isinstance(value, np.integer) and not isinstance(value, np.bool_))
+
+
+def all_ints(values) -> bool:
+    """Whether every value is an int (a bool, float or str is not), in C-speed passes."""
+    types = set(map(type, values))
+    return types <= {int} or all(t is int or (issubclass(t, np.integer) and t is not np.bool_) for t in types)
+
+
 def flatten_ids(seqs: list[Sequence[int]], count: int) -> np.ndarray:
     """The sequences concatenated, as int64: the bulk of planning a large batch (its block ids).
 
-    numpy arrays (a caller keeping its block tables in numpy) are concatenated, with no Python int
-    in between (~20x faster). Python ints go through ``struct`` from ~100 on, about 1.4x faster
-    than ``np.fromiter``; what it refuses (a float, say) takes the ``np.fromiter`` way, so such
-    input behaves as it always did."""
+    numpy arrays (a caller keeping its block tables in numpy) must hold integers; they are
+    concatenated with no Python int in between (~20x faster). Python sequences go through
+    ``struct``, about 1.4x faster than ``np.fromiter`` and strict where numpy coerces: a float or a
+    str raises ``IdsError`` naming its sequence (numpy would run 7.9 as 7). A bool is an int to
+    ``struct``; callers that must refuse bools check with ``all_ints``."""
     if isinstance(seqs[0], np.ndarray):
+        for i, seq in enumerate(seqs):
+            if not isinstance(seq, np.ndarray) or seq.dtype.kind not in "iu":
+                raise IdsError(i, seq if not isinstance(seq, np.ndarray) else seq.dtype)
         return np.concatenate(seqs).astype(np.int64, copy=False)
-    if count >= 128:
-        try:
-            return np.frombuffer(struct.pack(f"{count}q", *itertools.chain.from_iterable(seqs)), np.int64)
-        except struct.error:
-            pass
-    return np.fromiter(itertools.chain.from_iterable(seqs), np.int64, count)
+    try:
+        return np.frombuffer(struct.pack(f"{count}q", *itertools.chain.from_iterable(seqs)), np.int64)
+    except (struct.error, TypeError):
+        for i, seq in enumerate(seqs):
+            if isinstance(seq, (str, bytes)) or not hasattr(seq, "__iter__"):
+                raise IdsError(i, seq) from None
+            bad = [v for v in seq if not is_int(v)]
+            if bad:
+                raise IdsError(i, bad[0]) from None
+        raise
 
 
 class BlockIdCache:
@@ -77,7 +103,10 @@ class BlockIdCache:
 
 
 def _packed(ids: list, width: int) -> tuple[bytes, bytes | None]:
-    """A list's ids as int64 bytes, and as a block-table row of ``width`` (None if longer)."""
+    """A list's ids as int64 bytes, and as a block-table row of ``width`` (None if longer); its
+    element types are checked once, here, when the list is first seen (a bool is refused)."""
+    if not all_ints(ids):
+        raise IdsError(0, next(v for v in ids if not is_int(v)))
     values = flatten_ids([ids], len(ids))
     if len(values) > width:
         return values.tobytes(), None

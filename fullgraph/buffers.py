@@ -81,14 +81,19 @@ class StaticBuffers:
             self._copied.synchronize()
         return self._staging
 
-    def upload(self, input_ids: torch.Tensor | None = None) -> None:
+    def upload(self, input_ids: torch.Tensor | None = None, vocab_size: int | None = None) -> None:
         """Send the staging area to the device buffers (asynchronous; a no-op on CPU), then, when
-        given, ``input_ids`` (a device tensor) over the first ``len(input_ids)`` staged ids."""
+        given, ``input_ids`` (a device tensor) over the first ``len(input_ids)`` staged ids,
+        clamped into ``[0, vocab_size)`` so that no id reads outside the embedding."""
         if self._copied is not None:
             self._dev.copy_(self._host, non_blocking=True)
             self._copied.record(self._current_stream())
         if input_ids is not None:  # stream-ordered after the upload
-            self.tensors["input_ids"][: len(input_ids)].copy_(input_ids)
+            dst = self.tensors["input_ids"][: len(input_ids)]
+            if vocab_size is None:
+                dst.copy_(input_ids)
+            else:
+                torch.clamp(input_ids.to(dst.dtype), 0, vocab_size - 1, out=dst)
 
     def _current_stream(self) -> torch.cuda.Stream:
         """The stream the copy went to, rebuilt only when it changes: ``torch.cuda.current_stream()``

@@ -78,12 +78,14 @@ def _mode_config(base: RunnerConfig, mode: str, cuda: bool, bucket: int) -> Runn
                         max_capture_size=None)
 
 
-def _run_mode(runner: FullGraphRunner, chunks: Sequence[SeqChunk], kv_source: list[torch.Tensor] | None,
+def _run_mode(runner: FullGraphRunner, chunks: Sequence[SeqChunk], source: FullGraphRunner | None,
               num_tokens: int):
-    """(per-layer hidden states of the real tokens, logits) of one step in a fresh runner."""
-    if kv_source is not None:
-        for dst, src in zip(runner.kv_caches, kv_source):
+    """(per-layer hidden states of the real tokens, logits) of one step in a fresh runner holding
+    a copy of ``source``'s KV cache and pages."""
+    if source is not None:
+        for dst, src in zip(runner.kv_caches, source.kv_caches):
             dst.copy_(src)
+        runner.blocks.copy_from(source.blocks)
     layers = runner.model.layers
     buffers: list[torch.Tensor | None] = [None] * len(layers)
 
@@ -119,7 +121,7 @@ def compare(target: FullGraphRunner | nn.Module, chunks: Sequence[SeqChunk], mod
     whose sum is the hidden state.
     """
     if isinstance(target, FullGraphRunner):
-        model, base, kv = target.model, target.config.replace(**config_overrides), target.kv_caches
+        model, base, kv = target.model, target.config.replace(**config_overrides), target
     else:
         model, base, kv = target, RunnerConfig(**config_overrides), None
     if not isinstance(getattr(model, "layers", None), nn.ModuleList):

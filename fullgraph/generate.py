@@ -46,6 +46,14 @@ def greedy(runner: FullGraphRunner, prompts: Sequence[Sequence[int]], max_new_to
     cfg = runner.config
     if len(prompts) > cfg.max_num_seqs:
         raise ValueError(f"{len(prompts)} prompts: more than max_num_seqs = {cfg.max_num_seqs}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i}: empty (a request needs at least one token)")
+        if len(p) + max_new_tokens > cfg.max_model_len:
+            raise ValueError(f"prompt {i}: {len(p)} tokens + max_new_tokens {max_new_tokens} = "
+                             f"{len(p) + max_new_tokens} exceeds max_model_len = {cfg.max_model_len}")
     blocks = [runner.blocks.allocate(-(-(len(p) + max_new_tokens) // cfg.block_size)) for p in prompts]
     result = GenerateResult(tokens=[[] for _ in prompts])
     try:

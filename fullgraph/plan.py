@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .block_ids import BlockIdCache, flatten_ids
+from .block_ids import BlockIdCache, IdsError, all_ints, flatten_ids, is_int
 from .config import RunnerConfig
 from .fields import CORE_FIELDS, REPEAT_LAST, FieldTable, StepPlan
 from .padding import PaddingPolicy
@@ -203,6 +203,29 @@ def _finish(arrays: Mapping[str, np.ndarray], target: Target, nt: int, nr: int) 
             arr[start:] = arr[start - 1] if rule == REPEAT_LAST else rule
 
 
+def _explain_types(chunks: Sequence[SeqChunk]) -> None:
+    """Raise the ValueError naming the first chunk and field whose type is wrong."""
+    for i, c in enumerate(chunks):
+        if not isinstance(c, SeqChunk):
+            raise ValueError(f"chunk {i}: expected a SeqChunk, got {type(c).__name__} {c!r:.60}")
+        for field, ids in (("token_ids", c.token_ids), ("block_ids", c.block_ids)):
+            if isinstance(ids, np.ndarray):
+                if ids.ndim != 1 or ids.dtype.kind not in "iu":
+                    raise ValueError(f"{_who(chunks, i)}: {field}: expected a 1-D integer array, got {ids.dtype} "
+                                     f"{ids.shape}")
+                continue
+            if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+                raise ValueError(f"{_who(chunks, i)}: {field}: expected a list of ints, got {type(ids).__name__} "
+                                 f"{ids!r:.40}")
+            bad = [v for v in ids if not is_int(v)]
+            if bad:
+                raise ValueError(f"{_who(chunks, i)}: {field}: expected ints, got {type(bad[0]).__name__} {bad[0]!r:.40} "
+                                 "(floats, bools and strings are refused, never rounded)")
+        if not is_int(c.start_pos):
+            raise ValueError(f"{_who(chunks, i)}: start_pos: expected an int, got {type(c.start_pos).__name__} "
+                             f"{c.start_pos!r:.40}")
+
+
 def _in_range(values: np.ndarray, lo: int, hi: int) -> bool:
     """Whether every value lies in ``[lo, hi)``: one reduction, as an unsigned comparison in which
     a value below ``lo`` wraps around to a huge one."""
@@ -289,17 +312,26 @@ def plan_with_cache(chunks: Sequence[SeqChunk], config: RunnerConfig, target: Ta
     num_blocks = num_blocks or config.num_blocks
     if num_blocks is None:
         raise ValueError("plan_step needs num_blocks: pass it, or use the runner's resolved config")
+    if not isinstance(chunks, (list, tuple)):
+        raise ValueError(f"chunks: expected a list of SeqChunk, got {type(chunks).__name__} "
+                         "(a single chunk goes in a list: [chunk])")
     n = len(chunks)
     if n == 0:
         raise ValueError("a step needs at least one chunk")
     if n > config.max_num_seqs:
         raise ValueError(f"{n} chunks in one step: more than max_num_seqs = {config.max_num_seqs}")
-    tok_lists = [c.token_ids for c in chunks]
-    q_list = list(map(len, tok_lists))
-    if q_list.count(1) == n:
-        return _plan_decode(chunks, tok_lists, config, target, pad, num_blocks, vocab_size, cache)
-    q_lens, starts, ends, n_blocks, tokens, blocks, max_seq_len = _gather(chunks, tok_lists, q_list, config,
-                                                                          num_blocks, vocab_size)
+    try:  # the happy path pays one C-speed type pass; any surprise is explained below
+        tok_lists = [c.token_ids for c in chunks]
+        q_list = list(map(len, tok_lists))
+        if not (all_ints(itertools.chain.from_iterable(tok_lists)) and all_ints(c.start_pos for c in chunks)):
+            _explain_types(chunks)
+        if q_list.count(1) == n:
+            return _plan_decode(chunks, tok_lists, config, target, pad, num_blocks, vocab_size, cache)
+        gathered = _gather(chunks, tok_lists, q_list, config, num_blocks, vocab_size)
+    except (AttributeError, TypeError, IdsError):
+        _explain_types(chunks)
+        raise
+    q_lens, starts, ends, n_blocks, tokens, blocks, max_seq_len = gathered
     t_pad, r_pad = _padded_sizes(len(tokens), n, config, pad)
     return _layout(q_lens, starts, ends, n_blocks, tokens, blocks, max_seq_len, config, target, t_pad, r_pad,
                    num_blocks)

@@ -22,7 +22,7 @@ from .kernels import compile_ahead
 from .kv_cache import BlockAllocator, KVCacheSpec, allocate_kv_caches
 from .models import from_hf
 from .models.base import check_model
-from .plan import SeqChunk, Target, capture_plan, plan_with_cache
+from .plan import SeqChunk, Target, _who, capture_plan, plan_with_cache
 from .validate import StepValidator
 
 logger = logging.getLogger("fullgraph")
@@ -128,7 +128,16 @@ class FullGraphRunner:
         only give each chunk's length (any ids in range will do). Step N+1 can so be planned and
         launched while step N still runs, its ids being step N's samples that never visit the host
         (``generate.greedy(..., overlap=True)``). These ids are range-checked only with
-        ``validate=True``, which waits for the device.
+        ``validate=True``, which waits for the device; otherwise an id outside the vocabulary is
+        clamped into it (a wrong token, never a read outside the embedding table).
+
+        Checked on the host before anything is sent, each a ``ValueError`` naming the chunk and
+        field: types (ints only, no bool/float/str; ``SeqChunk``s in a list), sizes and limits,
+        token ids, page ids (in range, never the null block, none in two chunks, every page
+        allocated by ``runner.blocks``), and that every position a chunk attends to was written
+        by an earlier step. Not checked: which request a page belongs to (a chunk naming another
+        live request's pages in a later step overwrites them): the engine owns pages and never
+        does that; callers of the runner must not.
 
         ``values``: the real rows of the step fields a caller fills (``Field.source == "caller"``),
         field name -> one value per chunk (per token for token fields); with ``sampling`` these are
@@ -148,6 +157,7 @@ class FullGraphRunner:
         # CPU it is the buffers themselves, but every step rewrites all of its own bucket).
         target = Target(self.fields, self.policy, values, self.buffers.staging() if pad else None)
         plan = plan_with_cache(chunks, cfg, target, pad, cfg.num_blocks, self.vocab_size, self._block_ids)
+        self.blocks.check(plan, lambda i: _who(chunks, i))  # pages allocated; context positions written
         for backend in self._preparers:
             reason = backend.prepare(plan)
             if reason:
@@ -160,6 +170,7 @@ class FullGraphRunner:
             outputs, mode = self._run_unpadded(plan, token_ids), "none"
         else:
             outputs, mode = self._run_padded(plan, token_ids)
+        self.blocks.record_writes(plan.slot_mapping[: plan.num_tokens], cfg.block_size)
         self._count(plan, mode)
         return StepOutput(outputs.get("logits"), mode, plan.num_tokens, plan.num_tokens_padded,
                           outputs.get("token_ids"), outputs.get("logprobs"), outputs.get("top_ids"))
@@ -181,7 +192,7 @@ class FullGraphRunner:
     def _run_padded(self, plan: StepPlan, token_ids: torch.Tensor | None = None) -> tuple[dict[str, torch.Tensor], str]:
         key = plan.key
         graph = self._graphs is not None and self._graph_for(key, plan)
-        self.buffers.upload(token_ids)
+        self.buffers.upload(token_ids, self.vocab_size)
         if self._validator is not None:
             if graph:
                 self._graphs.check_addresses(self._addresses())
@@ -226,8 +237,8 @@ class FullGraphRunner:
 
     def _run_unpadded(self, plan: StepPlan, token_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         inputs = {name: torch.from_numpy(a).to(self.device) for name, a in plan.arrays.items()}
-        if token_ids is not None:
-            inputs["input_ids"] = token_ids.to(torch.int64).contiguous()
+        if token_ids is not None:  # ids outside the vocabulary are clamped into it, never read out of bounds
+            inputs["input_ids"] = token_ids.to(torch.int64).clamp(0, self.vocab_size - 1)
         outputs = self._forward(self._inputs(inputs), plan.decode_only)
         if self.config.sampling:
             self._write_outputs(outputs, plan.num_reqs)

@@ -47,12 +47,15 @@ class BlockSparseTorch(fg.attention.backends.get_backend_class("blocksparse")):
     impl_choice = "torch"
 
 
-_CPU = [("sdpa", "padded", None), ("sdpa", "compile", None), (BlockSparseTorch, "padded", None)] + \
-       ([("triton", "padded", None)] if _triton_on_cpu() else [])
-_GPU = [("sdpa", "full", None), ("triton", "full", None), ("flash", "full", torch.bfloat16),
-        ("blocksparse", "full", torch.bfloat16), ("sdpa", "compile", None), ("triton", "compile", None)]
-CONFORMANCE_CASES = [pytest.param(c, id=f"{getattr(c[0], 'name', c[0])}-{c[1]}" + ("-bf16" if c[2] else ""))
-                     for c in (_GPU if HAS_CUDA else _CPU)]
+# (backend, mode, dtype or None, model preset or None: the suite's default)
+_CPU = [("sdpa", "padded", None, None), ("sdpa", "compile", None, None), (BlockSparseTorch, "padded", None, None),
+        ("sdpa", "padded", None, "toy-mistral")] + \
+       ([("triton", "padded", None, None), ("triton", "padded", None, "toy-mistral")] if _triton_on_cpu() else [])
+_GPU = [("sdpa", "full", None, None), ("triton", "full", None, None), ("flash", "full", torch.bfloat16, None),
+        ("blocksparse", "full", torch.bfloat16, None), ("triton", "compile", None, None),
+        ("triton", "full", None, "toy-mistral"), ("flash", "full", torch.bfloat16, "toy-mistral")]
+CONFORMANCE_CASES = [pytest.param(c, id=f"{getattr(c[0], 'name', c[0])}-{c[1]}" + ("-bf16" if c[2] else "")
+                                  + (f"-{c[3]}" if c[3] else "")) for c in (_GPU if HAS_CUDA else _CPU)]
 
 
 def modes_under_test() -> list[Mode]:
@@ -60,8 +63,8 @@ def modes_under_test() -> list[Mode]:
     included on the GPU only: on the CPU each compiled runner costs seconds)."""
     out = []
     for param in CONFORMANCE_CASES:
-        backend, mode, dtype = param.values[0]
-        if not isinstance(backend, str) or backend == "blocksparse" or (mode == "compile" and not HAS_CUDA):
+        backend, mode, dtype, preset = param.values[0]
+        if not isinstance(backend, str) or backend == "blocksparse" or preset or (mode == "compile" and not HAS_CUDA):
             continue
         cudagraph = "full" if HAS_CUDA else "padded"
         out.append(Mode(cudagraph, backend, compile=mode == "compile", dtype=dtype or torch.float32))

@@ -172,3 +172,13 @@ def test_streaming_outputs_carry_the_new_tokens():
             seen += out.outputs[0].delta_token_ids
             final = out
     assert seen == final.outputs[0].token_ids and final.finished and final.metrics.time_to_first_token > 0
+
+
+@pytest.mark.gpu
+def test_compiled_full_graph_engine_gives_the_same_tokens_and_never_recompiles(reference):
+    llm = make_llm(compile=True)
+    assert tokens(llm.generate(PROMPTS, GREEDY)) == reference
+    sampled = llm.generate(PROMPTS, fg.SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=12))
+    assert all(len(t) == 12 for t in tokens(sampled))
+    stats = llm.runner.stats()
+    assert stats["recompiles_after_warmup"] == 0 and stats["graph_hits"]

@@ -15,10 +15,12 @@ from harness import CONFORMANCE_CASES, HAS_CUDA, Mode, Twin
 @pytest.fixture(scope="module", params=CONFORMANCE_CASES)
 def case(request) -> testing.Case:
     """One (backend, mode) for the whole module: its runners are built (captured, compiled) once."""
-    backend, mode, dtype = request.param
+    backend, mode, dtype, preset = request.param
     if isinstance(backend, str) and backend not in fg.attention.backends.available_backends():
         pytest.skip(f"attention backend {backend!r} is not available")
-    return testing.make_case(backend, mode, device="cuda" if HAS_CUDA else "cpu", dtype=dtype)
+    device = "cuda" if HAS_CUDA else "cpu"
+    model = None if preset is None else fg.models.presets.build(preset, dtype=dtype or torch.float32, device=device)
+    return testing.make_case(backend, mode, model=model, device=device, dtype=dtype)
 
 
 @pytest.mark.parametrize("scenario", sorted(testing.SCENARIOS))

@@ -217,7 +217,8 @@ def test_seeds_reproduce_across_batch_composition(impl):
     row = realistic_logits(vocab, seed=11).to(DEVICE)
     g = torch.Generator().manual_seed(5)
     batch = (torch.randn(64, vocab, generator=g) * 3).to(DEVICE)
-    params = make_params(64, temperature=torch.rand(64, generator=g) * 2, top_k=torch.randint(0, 100, (64,), generator=g),
+    temperature = torch.where(torch.arange(64) % 2 == 0, 0.0, torch.rand(64, generator=g) * 2)   # half greedy
+    params = make_params(64, temperature=temperature, top_k=torch.randint(0, 100, (64,), generator=g),
                          top_p=torch.rand(64, generator=g) * 0.5 + 0.5, min_p=torch.rand(64, generator=g) * 0.1,
                          seed=torch.randint(0, 2**62, (64,), generator=g), offsets=torch.randint(0, 9999, (64,), generator=g))
     settings = {17: (1.0, 0, 1.0, 0.0), 30: (0.8, 40, 0.9, 0.0), 63: (1.5, 0, 0.95, 0.02)}
@@ -260,7 +261,7 @@ def random_batch(rows: int, vocab: int, seed: int) -> tuple[torch.Tensor, dict]:
     (1537, dict(block=512, num_chunks=3, cand_block=16)),       # undecided lists past the registers
 ])
 def test_kernel_matches_reference(vocab, knobs):
-    logits, params = random_batch(20 if knobs.get("cand_block") else 40, vocab, seed=vocab)
+    logits, params = random_batch(20 if knobs.get("cand_block") else 28, vocab, seed=vocab)
     ws: dict = {}
     assert run_kernel(logits, params, workspace=ws, **knobs).tolist() == sample_reference(logits, **params).tolist()
     sampled = params["temperature"] > 0
@@ -284,9 +285,9 @@ def test_kernel_slow_path_on_a_huge_tie():
                          device=torch.device("cpu"))
     got = run_kernel(logits, params, block=512, cand_block=64)
     assert got.tolist() == sample_reference(logits, **params).tolist()
-    many = make_params(24, temperature=1.0, top_k=50, offsets=torch.arange(24), device=torch.device("cpu"))
-    tokens = run_kernel(logits[:1].expand(24, -1).contiguous(), many, block=512, cand_block=64)
-    assert ((tokens >= 100) & (tokens < 400)).sum() > 10 and ((tokens < 10) | (tokens >= 100) & (tokens < 400)).all()
+    many = make_params(16, temperature=1.0, top_k=50, offsets=torch.arange(16), device=torch.device("cpu"))
+    tokens = run_kernel(logits[:1].expand(16, -1).contiguous(), many, block=512, cand_block=64)
+    assert ((tokens >= 100) & (tokens < 400)).sum() > 6 and ((tokens < 10) | (tokens >= 100) & (tokens < 400)).all()
 
 
 def test_kernel_default_config_matches_reference():

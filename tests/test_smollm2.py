@@ -14,7 +14,7 @@ import fullgraph as fg
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
-NEW_TOKENS = 28
+NEW_TOKENS = 24
 MAX_LEN = 256
 
 
@@ -59,10 +59,10 @@ def _reference(model, prompt: list[int]) -> tuple[torch.Tensor, list[int]]:
     disabled, so it runs all NEW_TOKENS steps as ours does)."""
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        logits = model(ids).logits[0, -1]
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS,
-                             eos_token_id=model.config.vocab_size, pad_token_id=0)
-    return logits, out[0, len(prompt):].tolist()
+                             eos_token_id=model.config.vocab_size, pad_token_id=0, output_logits=True,
+                             return_dict_in_generate=True)
+    return out.logits[0][0], out.sequences[0, len(prompt):].tolist()
 
 
 def _run(runner: fg.FullGraphRunner, prompts: list[list[int]]) -> tuple[torch.Tensor, list[list[int]]]:
@@ -72,7 +72,8 @@ def _run(runner: fg.FullGraphRunner, prompts: list[list[int]]) -> tuple[torch.Te
     first = runner.step([fg.SeqChunk(p, 0, b) for p, b in zip(prompts, blocks)]).logits.cpu()    # (4, vocab)
     tokens = [[int(row.argmax())] for row in first]
     for step in range(NEW_TOKENS - 1):
-        logits = runner.step([fg.SeqChunk([t[-1]], len(p) + step, b) for p, t, b in zip(prompts, tokens, blocks)]).logits
+        chunks = [fg.SeqChunk([t[-1]], len(p) + step, b) for p, t, b in zip(prompts, tokens, blocks)]
+        logits = runner.step(chunks).logits
         for t, tok in zip(tokens, logits.argmax(-1).tolist()):
             t.append(tok)
     return first, tokens

@@ -24,14 +24,17 @@ from . import compile_ahead, pdl
 
 
 @triton.jit
-def _rotate(x_ptr, out_ptr, row, num_heads, group, stride_t, stride_g, stride_h, c, s,
+def _rotate(x_ptr, out_ptr, row, num_heads, group, stride_t, stride_g, stride_h, c, s, live,
             HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rotate one row's heads into ``out``; a row that is not ``live`` (padding) reads nothing and
+    gets zeros."""
     heads = tl.arange(0, BLOCK_H)[:, None]
     cols = tl.arange(0, BLOCK_D)[None, :]
     mask = (heads < num_heads) & (cols < HALF)
+    read = (heads < tl.where(live, num_heads, 0)) & (cols < HALF)     # nothing, for a padded row
     src = x_ptr + row * stride_t + (heads // group) * stride_g + (heads % group) * stride_h + cols
-    x1 = tl.load(src, mask=mask, other=0.0)
-    x2 = tl.load(src + HALF, mask=mask, other=0.0)
+    x1 = tl.load(src, mask=read, other=0.0)
+    x2 = tl.load(src + HALF, mask=read, other=0.0)
     x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
     dst = out_ptr + row * num_heads * (2 * HALF) + heads * (2 * HALF) + cols
     tl.store(dst, (x1f * c - x2f * s).to(x1.dtype), mask=mask)
@@ -54,9 +57,10 @@ def _rope_kernel(
     cols = tl.arange(0, BLOCK_D)[None, :]
     c = tl.load(cos_ptr + pos * HALF + cols, mask=cols < HALF, other=0.0)
     s = tl.load(sin_ptr + pos * HALF + cols, mask=cols < HALF, other=0.0)
-    _rotate(q_ptr, q_out_ptr, row, num_q_heads, q_group, stride_qt, stride_qg, stride_qh, c, s,
+    _rotate(q_ptr, q_out_ptr, row, num_q_heads, q_group, stride_qt, stride_qg, stride_qh, c, s, row >= 0,
             HALF, BLOCK_HQ, BLOCK_D)
-    _rotate(k_ptr, k_out_ptr, row, num_k_heads, num_k_heads, stride_kt, 0, stride_kh, c, s, HALF, BLOCK_HK, BLOCK_D)
+    _rotate(k_ptr, k_out_ptr, row, num_k_heads, num_k_heads, stride_kt, 0, stride_kh, c, s, row >= 0,
+            HALF, BLOCK_HK, BLOCK_D)
 
 
 @torch.library.custom_op("fullgraph::rope", mutates_args=())

@@ -8,8 +8,9 @@ Algorithm: one program per token t < T = ``query.shape[0]``. It reads the cos/si
 does (rotate-half, float32 math, stored in q's dtype). Then, if t < S = ``slot_mapping.shape[0]``
 and ``slot = slot_mapping[t] >= 0``, it rotates t's key heads and stores them, with its unrotated
 value heads, at page ``slot // PAGE_SIZE``, offset ``slot % PAGE_SIZE``, in the cache dtype. A
-token with a negative slot (padding) or past the slot mapping reads no key/value row and touches
-no cache byte: the write count comes from the slot mapping, as in ``kv_write``.
+token with a negative slot is padding: it reads no q, key or value row, its ``q_out`` row is
+zeros, and it touches no cache byte (the write count comes from the slot mapping, as in
+``kv_write``). A token past the slot mapping (t >= S) is rotated but writes nothing.
 
 Layout contract:
     query:        (T, H, D) or head-major grouped (T, KVH, G, D) with H = KVH * G; ``stride(-1) == 1``
@@ -51,8 +52,9 @@ def _rope_kv_write_kernel(
     cols = tl.arange(0, BLOCK_D)[None, :]
     c = tl.load(cos_ptr + pos * HALF + cols, mask=cols < HALF, other=0.0)
     s = tl.load(sin_ptr + pos * HALF + cols, mask=cols < HALF, other=0.0)
+    # a padded token (slot -1) reads no q row and gets a zero q_out row (defined, never stale)
     _rotate(q_ptr, q_out_ptr, tok, num_q_heads, q_group, stride_qt, stride_qg, stride_qh, c, s,
-            HALF, BLOCK_HQ, BLOCK_D)
+            (slot >= 0) | (tok >= num_slots), HALF, BLOCK_HQ, BLOCK_D)
     if slot >= 0:  # padding (or a token past the slot mapping) reads no k/v row, writes no cache byte
         heads = tl.arange(0, BLOCK_HK)[:, None]
         mask = (heads < num_kv_heads) & (cols < HALF)

@@ -29,7 +29,13 @@ Algorithm: rows are split into C chunks; passes of (R, C) programs, then one of 
    b_hi, is then searched in registers). Failing that (a bucket of > CAND_BLOCK tokens, e.g. a huge
    tie) an exact slow path re-reads the row at every search step.
 Only float summation order differs from the reference, so results can differ only where a mass
-sits within rounding of ``top_p * Z_k`` or two scores tie to the last bit.
+sits within rounding of ``top_p * Z_k`` or two scores tie to the last bit. Capture-safe: grids and
+workspaces come from shapes, every decision is made on the device.
+
+Measured on an H200, V = 128256, batch 32, per call in a CUDA graph: greedy 14 us, min-p 41-53 us,
+top-k 50 + top-p 0.95 106-108 us, top-p 0.9 147 us (the sort-based reference: 1.9 ms). Per pass:
+max 6, level-1 histogram ~19, level-2 ~28, compact 29-55 (Philox noise for every kept token ~10 of
+it), select 2-14 us.
 
 Layout contract:
     logits:        (R, V) float32/bf16/fp16, ``stride(-1) == 1``
@@ -125,7 +131,7 @@ def _position(s, s_max, b_hi1, b_lo1, sub, NB: tl.constexpr, BPN: tl.constexpr):
     """The level-1 bucket, or with ``sub > 0`` the level-2 one inside level 1's undecided buckets
     (-1 above them, 2**30 below): exact, since ``d * BPN * sub`` only scales by a power of two."""
     b = _bucket(s, s_max, NB, BPN)
-    inside = (b >= b_hi1) & (b <= b_lo1)
+    inside = (b >= b_hi1) & (b <= b_lo1) & (b < NB - 1)    # level 2 never splits the open last bucket
     f = (tl.where(inside, s_max - s, 0.0) * (BPN * sub.to(tl.float32))).to(tl.int32) - b_hi1 * sub
     return tl.where(sub > 0, tl.where(b < b_hi1, -1, tl.where(inside, f, 2**30)), b)
 

@@ -51,7 +51,8 @@ class SdpaBackend(AttentionBackend):
                 ("sdpa_decode", gather, num_blocks, block_size, num_kv_heads, kv_cache.dtype, window),
                 lambda: reference.decode_index(seq_lens, block_table, block_size, num_kv_heads,
                                                num_blocks * block_size, kv_cache.dtype, gather, window))
-            return reference.decode_attention_op(q, kv_cache, index, bias, layer.scale, gather,
-                                                 self.decode_attention)
+            out = reference.decode_attention_op(q, kv_cache, index, bias, layer.scale, gather, self.decode_attention)
+            live = metadata.per_step("sdpa_live", lambda: (seq_lens > 0)[:, None, None])    # (R, 1, 1)
+            return torch.where(live, out, 0.0)   # padded requests: zeros, as the general path gives
         return reference.paged_attention_op(q, kv_cache, metadata.require("query_start_loc", self.name),
                                             seq_lens, block_table, layer.scale, False, None, window)

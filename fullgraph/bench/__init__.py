@@ -1,10 +1,11 @@
-"""Benchmarks (scripts, not tests: they print a table and write JSON, never assert on time).
+"""Benchmarks (scripts, not tests: they print a table and, given ``--out``, write JSON; they never
+assert on time). ``python -m fullgraph.bench COMMAND --help``:
 
-    python -m fullgraph.bench decode --preset llama-1b --batch 1 32 --context 1024 [--loop sync overlap]
-    python -m fullgraph.bench capture --preset llama-1b
-    python -m fullgraph.bench compile --preset llama-1b   (twice: first and cached start)
-    python -m fullgraph.bench plan
-    python -m fullgraph.bench host --batch 1 32 256 --blocks 68
+    decode --preset llama-1b --batch 1 32 --context 1024 [--loop sync overlap] [--peers]
+    serve --preset llama-1b --requests 256 --input-len 512 --output-len 128 [--rate 16] [--peer-hf]
+    capture --preset llama-1b          compile --preset llama-1b (twice: first and cached start)
+    plan                                host --batch 1 32 256 --blocks 68
+    plot --inputs decode.json ... --out decode.png
 """
 from __future__ import annotations
 
@@ -18,9 +19,9 @@ import time
 import numpy as np
 import torch
 
-from . import FullGraphRunner, RunnerConfig, SeqChunk, padding, plan_step
-from .models import presets
-from .generate import decode_overlapped
+from .. import FullGraphRunner, RunnerConfig, SeqChunk, padding, plan_step
+from ..models import presets
+from ..generate import decode_overlapped
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -60,6 +61,8 @@ def time_decode(runner: FullGraphRunner, batch: int, context: int, steps: int, w
     gen = torch.Generator(device=runner.device).manual_seed(0)
     for cache in runner.kv_caches:  # the context's KV: random, as if a prefill had written it
         cache.normal_(generator=gen)
+    for ids in blocks:
+        runner.blocks.mark_written(ids, context, bs)
     times = []
     for i in range(warmup + steps):
         chunks = [SeqChunk([(7 * r + i) % 1000], context + i, blocks[r]) for r in range(batch)]
@@ -84,6 +87,8 @@ def time_decode_overlapped(runner: FullGraphRunner, batch: int, context: int, st
     gen = torch.Generator(device=runner.device).manual_seed(0)
     for cache in runner.kv_caches:
         cache.normal_(generator=gen)
+    for ids in blocks:
+        runner.blocks.mark_written(ids, context, bs)
     placeholder = [0]
     ids = torch.arange(batch, device=runner.device) * 7 % 1000
     times = []
@@ -145,8 +150,10 @@ def bench_decode(args) -> list[dict]:
                     rows.append(row)
                     print(f"  {args.preset} context {context} batch {batch} {mode} {row['loop']}: "
                           f"{row['step_ms']:.3f} ms", flush=True)
-    _table(rows, ["preset", "batch", "context", "mode", "attention", "loop", "step_ms", "replay1_ms", "replay_ms", "launch_ms", "p90_ms",
-                  "floor_ms", "compile_s"])
+            if getattr(args, "peers", False) and device.type == "cuda":
+                rows += _peer_rows(args, model, w_bytes, bandwidth, context, batch, rows[-1])
+    _table(rows, ["preset", "batch", "context", "mode", "attention", "loop", "step_ms", "replay1_ms", "replay_ms",
+                  "launch_ms", "p90_ms", "floor_ms", "kv_MB", "kv_dense_MB", "compile_s"])
     eager = {(r["context"], r["batch"]): r["step_ms"] for r in rows if r["mode"] == "none" and r["loop"] == "sync"}
     for r in rows:
         if r["mode"] == "full" and r["loop"] == "sync":
@@ -164,7 +171,7 @@ def _decode_rows(args, model, device, w_bytes, bandwidth, context, batch, mode) 
                              max_model_len=max_len, cudagraph=mode, attention=args.attention,
                              capture_sizes=(batch,), compile=args.compile)
     runner.warmup()
-    kv_read = batch * context * sum(2 * c.shape[3] * c.shape[4] * c.element_size() for c in runner.kv_caches)
+    kv_read, kv_dense = kv_bytes(model, runner.kv_caches, batch, context)
     floor = (w_bytes + kv_read) / bandwidth * 1e3 if bandwidth == bandwidth else float("nan")
     loops = {"sync": time_decode, "overlap": time_decode_overlapped}
     timed = {loop: loops[loop](runner, batch, context, args.steps, args.warmup) for loop in args.loop}
@@ -176,7 +183,7 @@ def _decode_rows(args, model, device, w_bytes, bandwidth, context, batch, mode) 
              "attention": runner.config.attention, "compile": args.compile, "loop": loop, "dtype": args.dtype,
              "step_ms": statistics.median(t) * 1e3, "p10_ms": np.percentile(t, 10) * 1e3,
              "p90_ms": np.percentile(t, 90) * 1e3, "floor_ms": floor, "weight_bytes": w_bytes,
-             "kv_bytes": kv_read, "copy_TBps": bandwidth / 1e12, "compile_s": stats["compile_seconds"],
+             "kv_bytes": kv_read, "kv_MB": kv_read / 1e6, "kv_dense_MB": kv_dense / 1e6, "copy_TBps": bandwidth / 1e12, "compile_s": stats["compile_seconds"],
              "capture_s": stats["capture_seconds"], "replay_ms": replay, "replay1_ms": replay1,
              "launch_ms": launch} for loop, t in timed.items()]
     del runner
@@ -186,7 +193,43 @@ def _decode_rows(args, model, device, w_bytes, bandwidth, context, batch, mode) 
     return rows
 
 
+def kv_bytes(model, kv_caches, batch: int, context: int) -> tuple[int, int]:
+    """(bytes of keys and values one decode step reads, what dense attention would read): a
+    sliding-window layer reads only its window."""
+    read = dense = 0
+    for layer, cache in zip(model.attention_layers(), kv_caches):
+        per_token = 2 * cache.shape[3] * cache.shape[4] * cache.element_size()
+        dense += batch * context * per_token
+        read += batch * min(context, layer.sliding_window or context) * per_token
+    return read, dense
+
+
+def _peer_rows(args, model, w_bytes, bandwidth, context, batch, like: dict) -> list[dict]:
+    """The naive whole-model graph and reduce-overhead peers at this shape (``bench.peers``)."""
+    from .peers import time_peer
+
+    rows = []
+    for kind in ("naive-graph", "reduce-overhead"):
+        try:
+            t = time_peer(model, kind, batch, context, steps=args.steps, warmup=args.warmup)
+        except Exception as err:  # noqa: BLE001 (a peer that cannot run is a row saying why, not a crash)
+            print(f"  peer {kind} failed: {type(err).__name__}: {err}", flush=True)
+            continue
+        size = next(model.parameters()).element_size()
+        dense = batch * context * sum(2 * l.num_kv_heads * l.head_dim * size for l in model.attention_layers())
+        rows.append({**{k: like[k] for k in ("preset", "batch", "context", "dtype", "weight_bytes", "copy_TBps")},
+                     "mode": kind, "attention": "naive", "compile": kind == "reduce-overhead", "loop": "sync",
+                     "step_ms": t["step_ms"], "replay_ms": t["replay_ms"], "replay1_ms": float("nan"),
+                     "launch_ms": float("nan"), "p10_ms": float("nan"), "p90_ms": float("nan"),
+                     "floor_ms": (w_bytes + dense) / bandwidth * 1e3, "kv_bytes": dense, "kv_MB": dense / 1e6,
+                     "kv_dense_MB": dense / 1e6, "compile_s": float("nan"), "capture_s": float("nan")})
+        print(f"  {args.preset} context {context} batch {batch} {kind}: {t['step_ms']:.3f} ms", flush=True)
+    return rows
+
+
 def bench_capture(args) -> list[dict]:
+    if not torch.cuda.is_available():
+        raise ValueError("bench capture measures CUDA-graph capture and needs a CUDA device (this machine has none)")
     device = torch.device("cuda")
     model = presets.build(args.preset, dtype=torch.bfloat16, device=device, seed=0)
     runner = FullGraphRunner(model, RunnerConfig(cudagraph="full", attention=args.attention, compile=args.compile))
@@ -269,6 +312,8 @@ def bench_host(args) -> list[dict]:
         runner._run_static = lambda key, num_reqs: launched.append(time.perf_counter())
     blocks = [runner.blocks.allocate(args.blocks) for _ in range(max_batch)]
     context = (args.blocks - 1) * bs  # the new token lands on the last page
+    for ids in blocks:
+        runner.blocks.mark_written(ids, context, bs)
     rows = []
     for batch in args.batch:
         chunks = [SeqChunk([(7 * r) % 500], context, blocks[r]) for r in range(batch)]
@@ -303,52 +348,3 @@ def _table(rows: list[dict], cols: list[str]) -> None:
     print("-+-".join("-" * w for w in widths))
     for r in rows:
         print(" | ".join(fmt(r[c]).rjust(w) for c, w in zip(cols, widths)))
-
-
-def main(argv: list[str] | None = None, attention=None) -> None:
-    """The CLI; ``attention``: an ``AttentionBackend`` class to use instead of ``--attention``'s name."""
-    parser = argparse.ArgumentParser(prog="python -m fullgraph.bench")
-    sub = parser.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("decode", help="decode-step latency per mode, against the bandwidth floor")
-    d.add_argument("--preset", default="toy", choices=presets.names())
-    d.add_argument("--batch", type=int, nargs="+", default=[1, 32])
-    d.add_argument("--context", type=int, nargs="+", default=[1024])
-    d.add_argument("--modes", nargs="+", default=["none", "padded", "full"])
-    d.add_argument("--attention", default="auto")
-    d.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
-    d.add_argument("--steps", type=int, default=50)
-    d.add_argument("--warmup", type=int, default=5)
-    d.add_argument("--compile", action="store_true")
-    d.add_argument("--loop", nargs="+", default=["sync"], choices=["sync", "overlap"],
-                   help="sync: each step synchronised; overlap: each step launched before the previous "
-                        "step's tokens are read (ids handed over on the device), step_ms is then the time "
-                        "between two steps' tokens")
-    c = sub.add_parser("capture", help="capture every default size (CUDA)")
-    c.add_argument("--preset", default="llama-1b", choices=presets.names())
-    c.add_argument("--attention", default="auto")
-    c.add_argument("--compile", action="store_true")
-    k = sub.add_parser("compile", help="compile time of a compile=True runner (run twice: first and cached)")
-    k.add_argument("--preset", default="toy", choices=presets.names())
-    sub.add_parser("plan", help="host planning cost of decode batches")
-    h = sub.add_parser("host", help="host cost of a decode step: plan, copy_in, everything before the launch")
-    h.add_argument("--preset", default="toy", choices=presets.names())
-    h.add_argument("--attention", default="auto")
-    h.add_argument("--batch", type=int, nargs="+", default=[1, 32, 256])
-    h.add_argument("--blocks", type=int, default=68, help="KV pages passed per chunk")
-    h.add_argument("--iters", type=int, default=400)
-    for p in (d, c, k, sub.choices["plan"], h):
-        p.add_argument("--out", default=None, help="write the rows as JSON to this path (default: print only)")
-    args = parser.parse_args(argv)
-    if attention is not None:
-        args.attention = attention
-    rows = {"decode": bench_decode, "capture": bench_capture, "compile": bench_compile, "plan": bench_plan,
-            "host": bench_host}[args.command](args)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"command": args.command, "device": torch.cuda.get_device_name() if torch.cuda.is_available()
-                       else "cpu", "torch": torch.__version__, "rows": rows}, f, indent=1)
-        print(f"wrote {args.out}")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,90 @@
+"""``python -m fullgraph.bench``: the benchmark CLI (see ``fullgraph.bench``)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from ..models import presets
+from . import bench_capture, bench_compile, bench_decode, bench_host, bench_plan
+
+
+def main(argv: list[str] | None = None, attention=None) -> None:
+    """The CLI; ``attention``: an ``AttentionBackend`` class to use instead of ``--attention``'s name."""
+    parser = argparse.ArgumentParser(prog="python -m fullgraph.bench", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add = sub.add_parser
+
+    def add_parser(name, **kw):  # every subcommand shows its defaults in --help
+        return _add(name, formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kw)
+    sub.add_parser = add_parser
+    d = sub.add_parser("decode", help="decode-step latency per mode, against the bandwidth floor")
+    d.add_argument("--preset", default="toy", choices=presets.names(), help="model shape (random weights)")
+    d.add_argument("--batch", type=int, nargs="+", default=[1, 32], help="decode batch sizes")
+    d.add_argument("--context", type=int, nargs="+", default=[1024], help="tokens already in each request's cache")
+    d.add_argument("--modes", nargs="+", default=["none", "padded", "full"], choices=["none", "padded", "full"], help="runner modes")
+    d.add_argument("--attention", default="auto", help="dense attention backend")
+    d.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="weights and cache")
+    d.add_argument("--steps", type=int, default=50, help="timed steps")
+    d.add_argument("--warmup", type=int, default=5, help="untimed steps first")
+    d.add_argument("--compile", action="store_true", help="compile=True")
+    d.add_argument("--peers", action="store_true", help="also time a naive whole-model CUDA graph and "
+                   "torch.compile(mode='reduce-overhead') of the same shape (CUDA)")
+    d.add_argument("--loop", nargs="+", default=["sync"], choices=["sync", "overlap"],
+                   help="sync: each step synchronised; overlap: each step launched before the previous "
+                        "step's tokens are read (ids handed over on the device), step_ms is then the time "
+                        "between two steps' tokens")
+    c = sub.add_parser("capture", help="capture every default size (CUDA)")
+    c.add_argument("--preset", default="llama-1b", choices=presets.names(), help="model shape")
+    c.add_argument("--attention", default="auto", help="dense attention backend")
+    c.add_argument("--compile", action="store_true", help="compile=True")
+    k = sub.add_parser("compile", help="compile time of a compile=True runner (run twice: first and cached)")
+    k.add_argument("--preset", default="toy", choices=presets.names(), help="model shape")
+    sub.add_parser("plan", help="host planning cost of decode batches")
+    h = sub.add_parser("host", help="host cost of a decode step: plan, copy_in, everything before the launch")
+    h.add_argument("--preset", default="toy", choices=presets.names(), help="model shape")
+    h.add_argument("--attention", default="auto", help="dense attention backend")
+    h.add_argument("--batch", type=int, nargs="+", default=[1, 32, 256], help="decode batch sizes")
+    h.add_argument("--blocks", type=int, default=68, help="KV pages passed per chunk")
+    h.add_argument("--iters", type=int, default=400, help="timed iterations")
+    s = sub.add_parser("serve", help="a serving workload through fg.Engine: throughput, TTFT and TPOT")
+    s.add_argument("--preset", default="toy", choices=presets.names(), help="model shape")
+    s.add_argument("--requests", type=int, default=64, help="number of requests")
+    s.add_argument("--input-len", type=int, default=256, help="mean prompt length (lengths uniform in [L/2, 3L/2])")
+    s.add_argument("--output-len", type=int, default=64, help="new tokens per request (eos ignored)")
+    s.add_argument("--rate", type=float, default=0.0, help="requests per second (Poisson); 0: all at once")
+    s.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
+    s.add_argument("--max-num-tokens", type=int, default=1024, help="token budget of a step")
+    s.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    s.add_argument("--seed", type=int, default=0, help="seed of the workload and the sampler")
+    s.add_argument("--peer-hf", action="store_true", help="also run transformers' continuous batching (generate_batch)")
+    g = sub.add_parser("plot", help="step time vs batch per mode and peer, from bench decode --out files")
+    g.add_argument("--inputs", nargs="+", required=True, help="bench decode JSON files")
+    g.add_argument("--context", type=int, default=1024, help="the context of the rows to draw")
+    g.add_argument("--out", default="decode.png", help="image to write")
+    for p in (d, c, k, sub.choices["plan"], h, s):
+        p.add_argument("--out", default=None, help="write the rows as JSON to this path (none: print the table only)")
+    args = parser.parse_args(argv)
+    if attention is not None:
+        args.attention = attention
+    from .plot import bench_plot
+    from .serve import bench_serve
+
+    run = {"decode": bench_decode, "capture": bench_capture, "compile": bench_compile, "plan": bench_plan,
+           "host": bench_host, "serve": bench_serve, "plot": bench_plot}[args.command]
+    try:
+        rows = run(args)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if args.out and args.command != "plot":
+        with open(args.out, "w") as f:
+            json.dump({"command": args.command, "device": torch.cuda.get_device_name() if torch.cuda.is_available()
+                       else "cpu", "torch": torch.__version__, "rows": rows}, f, indent=1)
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""``python -m fullgraph.bench serve``: a serving workload through ``fg.Engine``, beside the runner's
+own decode floor and, where it runs, transformers' continuous batching on the same workload.
+
+Requests have random token prompts of mixed lengths (uniform in [input_len / 2, 3 * input_len / 2])
+and exactly ``output_len`` new tokens (``ignore_eos``), arriving all at once or as a Poisson stream
+of ``rate`` per second. Reported: output and total throughput (tokens/s), time to first token and
+time per output token (p50 / p99), and the runner's overlapped decode floor at the same batch.
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+import torch
+
+from ..engine import Engine, SamplingParams
+from ..models import presets
+from ..runner import FullGraphRunner
+
+
+def workload(args, vocab: int) -> tuple[list[list[int]], np.ndarray]:
+    rng = np.random.default_rng(args.seed)
+    lens = rng.integers(max(1, args.input_len // 2), args.input_len * 3 // 2 + 1, args.requests)
+    prompts = [rng.integers(0, vocab, n).tolist() for n in lens]
+    arrivals = np.zeros(args.requests) if not args.rate else np.cumsum(rng.exponential(1 / args.rate, args.requests))
+    return prompts, arrivals
+
+
+def _progress(done: int, total: int, start: float) -> None:
+    if done == total or done % max(1, total // 10) == 0:
+        print(f"  {done}/{total} requests done, {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+
+
+def run_engine(args, model, prompts, arrivals) -> dict:
+    cuda = torch.cuda.is_available()
+    max_len = args.input_len * 3 // 2 + args.output_len + 16
+    runner = FullGraphRunner(model, sampling=True, max_num_seqs=args.max_num_seqs, max_num_tokens=args.max_num_tokens,
+                             max_model_len=-(-max_len // 256) * 256, max_capture_size=min(args.max_num_tokens, 512),
+                             cudagraph="full" if cuda else "padded")
+    runner.warmup()
+    engine = Engine(runner, seed=args.seed)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True)
+    start, queued, done, outputs = time.perf_counter(), 0, 0, {}
+    while done < len(prompts):
+        now = time.perf_counter() - start
+        while queued < len(prompts) and arrivals[queued] <= now:
+            engine.add_request(str(queued), prompts[queued], params)
+            queued += 1
+        if not engine.has_unfinished():
+            time.sleep(min(0.001, max(0.0, arrivals[queued] - now)))
+            continue
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out
+                done += 1
+                _progress(done, len(prompts), start)
+    seconds = time.perf_counter() - start
+    ttft = [o.metrics.first_token_time - start - arrivals[int(o.request_id)] for o in outputs.values()]
+    tpot = [(o.metrics.finished_time - o.metrics.first_token_time) / max(1, len(o.outputs[0].token_ids) - 1)
+            for o in outputs.values()]
+    return _row("fullgraph", seconds, prompts, [len(o.outputs[0].token_ids) for o in outputs.values()], ttft, tpot,
+                runner.stats()["eager_fallbacks"])
+
+
+def _row(system: str, seconds: float, prompts, generated: list[int], ttft, tpot, note="") -> dict:
+    out_tokens = sum(generated)
+    return {"system": system, "requests": len(prompts), "seconds": seconds, "output_tok_s": out_tokens / seconds,
+            "total_tok_s": (out_tokens + sum(map(len, prompts))) / seconds,
+            "ttft_p50_ms": float(np.percentile(ttft, 50)) * 1e3, "ttft_p99_ms": float(np.percentile(ttft, 99)) * 1e3,
+            "tpot_p50_ms": float(np.percentile(tpot, 50)) * 1e3, "tpot_p99_ms": float(np.percentile(tpot, 99)) * 1e3,
+            "note": str(note)[:80]}
+
+
+def run_hf(args, model, prompts) -> dict:
+    """transformers' continuous batching (``generate_batch``) on the same workload, same weights."""
+    import transformers
+
+    from ..models import Llama
+
+    if not isinstance(model, Llama):
+        raise ValueError("the transformers peer is built for Llama-family presets only")
+    c = model.config
+    hf_config = transformers.LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim, max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings)
+    param = next(model.parameters())
+    hf = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=param.dtype,
+                                                       attn_implementation="sdpa").to(param.device).eval()
+    generation = transformers.GenerationConfig(max_new_tokens=args.output_len, do_sample=False, eos_token_id=-1,
+                                               pad_token_id=0, max_batch_tokens=args.max_num_tokens)
+    start = time.perf_counter()
+    result = hf.generate_batch(inputs=prompts, generation_config=generation, progress_bar=False)
+    seconds = time.perf_counter() - start
+    generated = [len(r.generated_tokens) for r in result.values()]
+    return _row("transformers generate_batch", seconds, prompts, generated, [float("nan")], [float("nan")],
+                f"transformers {transformers.__version__}")
+
+
+def bench_serve(args) -> list[dict]:
+    from . import _table, time_decode_overlapped
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = presets.build(args.preset, dtype=dtype, device=device, seed=0)
+    prompts, arrivals = workload(args, model.vocab_size)
+    print(f"serve: {args.preset}, {args.requests} requests, input {args.input_len // 2}-{args.input_len * 3 // 2} "
+          f"tokens, {args.output_len} out, rate {args.rate or 'all at once'}", flush=True)
+    rows = [run_engine(args, model, prompts, arrivals)]
+    batch = min(args.max_num_seqs, args.requests)
+    floor_runner = FullGraphRunner(model, max_num_seqs=batch, max_num_tokens=max(batch, 16), capture_sizes=(batch,),
+                                   max_model_len=-(-(args.input_len + 64 + 8) // 256) * 256,
+                                   cudagraph="full" if device.type == "cuda" else "padded")
+    floor_runner.warmup()
+    step = float(np.median(time_decode_overlapped(floor_runner, batch, args.input_len, 20, 5)))
+    rows.append({"system": f"runner decode floor (batch {batch}, overlapped)", "requests": batch, "seconds": step,
+                 "output_tok_s": batch / step, "total_tok_s": float("nan"), "ttft_p50_ms": float("nan"),
+                 "ttft_p99_ms": float("nan"), "tpot_p50_ms": step * 1e3, "tpot_p99_ms": float("nan"), "note": ""})
+    if args.peer_hf:
+        try:
+            rows.append(run_hf(args, model, prompts))
+        except Exception as err:  # noqa: BLE001 (a peer that cannot run is reported, not fatal)
+            rows.append({"system": "transformers generate_batch", "note": f"did not run: {type(err).__name__}: {err}"[:80],
+                         **{k: float("nan") for k in ("requests", "seconds", "output_tok_s", "total_tok_s", "ttft_p50_ms",
+                                                      "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")}})
+    _table(rows, ["system", "requests", "seconds", "output_tok_s", "total_tok_s", "ttft_p50_ms", "ttft_p99_ms",
+                  "tpot_p50_ms", "tpot_p99_ms", "note"])
+    return rows
