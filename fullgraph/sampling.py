@@ -40,7 +40,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .kernels import sampling as _kernel  # noqa: F401  (registers torch.ops.fullgraph.sample)
+try:
+    from .kernels import sampling as _kernel  # noqa: F401  (registers torch.ops.fullgraph.sample)
+except ImportError:  # no Triton (e.g. macOS): the reference everywhere
+    _kernel = None
 
 _PHILOX_M = (0xD2511F53, 0xCD9E8D57)
 _PHILOX_W = (0x9E3779B9, 0xBB67AE85)
@@ -123,7 +126,7 @@ def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, mi
 
     Capture-safe; the kernel's workspaces are allocated with static shapes on every call.
     """
-    if logits.is_cuda:
+    if logits.is_cuda and _kernel is not None:
         _check(logits, dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds,
                             offsets=offsets))
         return torch.ops.fullgraph.sample(logits, temperature, top_k, top_p, min_p, seeds, offsets)

@@ -1,0 +1,254 @@
+"""Pass 5 of the sampling kernel (``kernels.sampling``): exact top-k / top-p thresholds over each
+row's undecided tokens and the Gumbel winner among the kept ones. See ``kernels/sampling.py``."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from . import compile_ahead, pdl
+from .sampling_common import (INT_MAX, NEG_INF, _key, _noise_at, _position, _row_max, _row_sum,
+                              _scaled, _unkey)
+
+@triton.jit
+def _stat(sv, e, tv, BY_MASS: tl.constexpr):
+    """(P,) count (or mass) of ``sv >= tv[p]``; sv is -inf off the undecided set."""
+    sel = sv[:, None] >= tv[None, :]
+    if BY_MASS:
+        stat = tl.sum(tl.where(sel, e[:, None], 0.0), 0)
+    else:
+        stat = tl.sum(sel.to(tl.int32), 0)
+    return stat
+
+
+@triton.jit
+def _row_stat(x_row, vocab, inv_t, s_max, zrow, tv, BY_MASS: tl.constexpr, NB: tl.constexpr,
+              BPN: tl.constexpr, BLOCK: tl.constexpr):
+    """:func:`_stat` over the row's undecided zone, re-read from the logits (the slow path)."""
+    b_hi1, b_lo1, sub, b_hi, b_lo = tl.load(zrow), tl.load(zrow + 1), tl.load(zrow + 2), tl.load(zrow + 3), \
+        tl.load(zrow + 4)
+    if BY_MASS:
+        acc = tl.zeros(tv.shape, tl.float32)
+    else:
+        acc = tl.zeros(tv.shape, tl.int32)
+    for start in range(0, vocab, BLOCK):
+        s = _scaled(x_row, start + tl.arange(0, BLOCK), vocab, inv_t)
+        pos = _position(s, s_max, b_hi1, b_lo1, sub, NB, BPN)
+        acc += _stat(tl.where((pos >= b_hi) & (pos <= b_lo), s, NEG_INF), tl.exp(s - s_max), tv, BY_MASS)
+    return acc
+
+
+@triton.jit
+def _search(lo, hi, floor_v, base, target, sv, e, x_row, vocab, inv_t, s_max, zrow,
+            BY_MASS: tl.constexpr, FROM_ROW: tl.constexpr, NB: tl.constexpr, BPN: tl.constexpr,
+            BLOCK: tl.constexpr, P: tl.constexpr):
+    """Largest key in (lo, hi) with ``base + stat(max(unkey(key), floor_v)) >= target``, else lo:
+    a (P+1)-way search (the statistic is monotone in the key), lo and hi never tested."""
+    j = tl.arange(0, P).to(tl.int64)
+    while hi - lo > 1:
+        piv = tl.minimum(tl.maximum(lo + (hi - lo) * (j + 1) // (P + 1), lo + 1), hi - 1)      # (P,)
+        k = piv.to(tl.int32)                               # _unkey, inlined (interpreter speed)
+        tv = tl.maximum((k ^ ((k >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True), floor_v)
+        if FROM_ROW:
+            stat = _row_stat(x_row, vocab, inv_t, s_max, zrow, tv, BY_MASS, NB, BPN, BLOCK)
+        else:
+            stat = _stat(sv, e, tv, BY_MASS)
+        yes = base + stat >= target
+        lo, hi = tl.max(tl.where(yes, piv, lo), 0), tl.min(tl.where(yes, hi, piv), 0)
+    return lo
+
+
+@triton.jit
+def _list_ids(part_i_ptr, cand_ptr, row, num_chunks, seg_cap, start, N: tl.constexpr):
+    """Ids at positions start .. start + N of the row's undecided list (the chunks' segments in
+    chunk order), and which positions exist."""
+    p = start + tl.arange(0, N)
+    seg, base, total = tl.zeros([N], tl.int32), tl.zeros([N], tl.int32), 0
+    for c in range(num_chunks):
+        inside = p >= total
+        seg, base = tl.where(inside, c, seg), tl.where(inside, total, base)
+        total += tl.load(part_i_ptr + (row * num_chunks + c) * 3 + 2)
+    ok = p < total
+    return tl.load(cand_ptr + (row * num_chunks + seg) * seg_cap + p - base, mask=ok, other=0), ok
+
+
+@triton.jit
+def _register_search(cid, ok, x_row, vocab, inv_t, s_max, floor_v, base, target, BY_MASS: tl.constexpr,
+                     P: tl.constexpr):
+    """Exact threshold over the tokens ``cid[ok]`` held in registers (-inf: all pass), and their
+    mass at or above it."""
+    s = _scaled(x_row, tl.where(ok, cid, vocab), vocab, inv_t)
+    e = tl.exp(s - s_max)
+    sv = tl.where(ok, s, NEG_INF)
+    keys = _key(s)
+    lo = tl.min(tl.where(ok, keys, INT_MAX), 0).to(tl.int64) - 1
+    hi = tl.max(tl.where(ok, keys, -INT_MAX), 0).to(tl.int64) + 1
+    kk = _search(lo, hi, floor_v, base, target, sv, e, x_row, vocab, inv_t, s_max, x_row, BY_MASS, False, 1, 1, 1, P)
+    v = tl.where(kk > lo, _unkey(kk.to(tl.int32)), NEG_INF)
+    return v, tl.sum(tl.where(sv >= tl.maximum(v, floor_v), e, 0.0), 0)
+
+
+@triton.jit
+def _list_winner(x_row, part_i_ptr, cand_ptr, row, num_chunks, seg_cap, n_list, vocab, inv_t, s_max, v_k, v_p,
+                 min_p, seed, offset, LB: tl.constexpr):
+    """(score, id) of the Gumbel winner among the listed tokens passing v_k, v_p and min-p."""
+    best, best_id = tl.full([], NEG_INF, tl.float32), INT_MAX
+    for start in range(0, n_list, LB):
+        cid, ok = _list_ids(part_i_ptr, cand_ptr, row, num_chunks, seg_cap, start, LB)
+        s = _scaled(x_row, tl.where(ok, cid, vocab), vocab, inv_t)
+        keep = ok & (s > NEG_INF) & (s >= v_k) & (s >= v_p) & (tl.exp(s - s_max) >= min_p)
+        score = tl.where(keep, s + _noise_at(cid, seed, offset), NEG_INF)
+        m = tl.max(score, 0)
+        m_id = tl.min(tl.where(keep & (score == m), cid, INT_MAX), 0)
+        best_id = tl.where((m > best) | ((m == best) & (m_id < best_id)), m_id, best_id)
+        best = tl.maximum(best, m)
+    return best, best_id
+
+
+@triton.jit
+def _bucket_search(x_row, part_i_ptr, cand_ptr, scratch_row, zrow, row, num_chunks, seg_cap, n_list, vocab,
+                   inv_t, s_max, bucket, floor_v, base, target, BY_MASS: tl.constexpr, CB: tl.constexpr,
+                   LB: tl.constexpr, NB: tl.constexpr, BPN: tl.constexpr):
+    """:func:`_register_search` over the listed tokens at one position, packed into ``scratch_row``
+    first; also returns how many there were (the result is valid only if <= CB)."""
+    b_hi1, b_lo1, sub = tl.load(zrow), tl.load(zrow + 1), tl.load(zrow + 2)
+    n = 0
+    for start in range(0, n_list, LB):
+        cid, ok = _list_ids(part_i_ptr, cand_ptr, row, num_chunks, seg_cap, start, LB)
+        s = _scaled(x_row, tl.where(ok, cid, vocab), vocab, inv_t)
+        sel = ok & (_position(s, s_max, b_hi1, b_lo1, sub, NB, BPN) == bucket)
+        pos = n + tl.cumsum(sel.to(tl.int32), 0) - 1
+        tl.store(scratch_row + pos, cid, mask=sel & (pos < CB))
+        n += tl.sum(sel.to(tl.int32), 0)
+    tl.debug_barrier()                                   # the packed ids, visible to every thread
+    p = tl.arange(0, CB)
+    cid = tl.load(scratch_row + p, mask=p < n, other=0)
+    v, mass = _register_search(cid, p < n, x_row, vocab, inv_t, s_max, floor_v, base, target, BY_MASS, 2)
+    return v, mass, n
+
+
+@triton.jit
+def _refined_thresholds(x_row, part_i_ptr, cand_ptr, scratch_row, zrow, row, num_chunks, seg_cap, n_list, vocab,
+                        inv_t, s_max, z, n_hi, mass_hi, top_k, top_p, CB: tl.constexpr, RB: tl.constexpr,
+                        LB: tl.constexpr, NB: tl.constexpr, BPN: tl.constexpr):
+    """(v_k, v_p, failed) for a large undecided list: exact counts and masses of its positions
+    b_hi .. b_hi + RB - 1 pin each threshold to one position, searched in registers."""
+    b_hi1, b_lo1, sub, b_hi = tl.load(zrow), tl.load(zrow + 1), tl.load(zrow + 2), tl.load(zrow + 3)
+    r = tl.arange(0, RB)
+    cnt, mass = tl.zeros([RB], tl.int32), tl.zeros([RB], tl.float32)
+    for start in range(0, n_list, LB):
+        cid, ok = _list_ids(part_i_ptr, cand_ptr, row, num_chunks, seg_cap, start, LB)
+        s = _scaled(x_row, tl.where(ok, cid, vocab), vocab, inv_t)
+        rel = _position(s, s_max, b_hi1, b_lo1, sub, NB, BPN) - b_hi
+        hit = ok[:, None] & (rel[:, None] == r[None, :])                                     # (LB, RB)
+        cnt += tl.sum(hit.to(tl.int32), 0)
+        mass += tl.sum(tl.where(hit, tl.exp(s - s_max)[:, None], 0.0), 0)
+    fail = False
+    v_k = tl.full([], NEG_INF, tl.float32)
+    r_k = RB
+    if (top_k > 0) & (top_k < vocab):
+        r_k = tl.sum((n_hi + tl.cumsum(cnt, 0) < top_k).to(tl.int32), 0)                   # its bucket
+        v_k, m_k, n = _bucket_search(x_row, part_i_ptr, cand_ptr, scratch_row, zrow, row, num_chunks, seg_cap, n_list,
+                                     vocab, inv_t, s_max, b_hi + r_k, v_k, n_hi + tl.sum(tl.where(r < r_k, cnt, 0), 0),
+                                     top_k, False, CB, LB, NB, BPN)
+        fail = (r_k >= RB) | (n > CB)
+        z = mass_hi + tl.sum(tl.where(r < r_k, mass, 0.0), 0) + m_k
+    v_p = tl.full([], NEG_INF, tl.float32)
+    if top_p < 1.0:
+        q = top_p * z
+        r_p = tl.minimum(tl.sum((mass_hi + tl.cumsum(mass, 0) < q).to(tl.int32), 0), r_k)
+        v_p, _, n = _bucket_search(x_row, part_i_ptr, cand_ptr, scratch_row, zrow, row, num_chunks, seg_cap, n_list,
+                                   vocab, inv_t, s_max, b_hi + r_p, v_k, mass_hi + tl.sum(tl.where(r < r_p, mass, 0.0), 0),
+                                   q, True, CB, LB, NB, BPN)
+        fail = fail | (r_p >= RB) | (n > CB)
+    return v_k, v_p, fail
+
+
+@triton.jit
+def _row_thresholds(x_row, zrow, vocab, inv_t, s_max, z, n_hi, mass_hi, top_k, top_p, NB: tl.constexpr,
+                    BPN: tl.constexpr, BLOCK: tl.constexpr):
+    """(v_k, v_p) searched over the whole row's undecided zone, re-read at every step (slow, exact)."""
+    lo = _key(tl.full([], NEG_INF, tl.float32)).to(tl.int64)
+    hi = _key(s_max).to(tl.int64) + 1
+    one = tl.zeros([1], tl.float32)
+    v_k = tl.full([], NEG_INF, tl.float32)
+    if (top_k > 0) & (top_k < vocab):
+        kk = _search(lo, hi, v_k, n_hi, top_k, one, one, x_row, vocab, inv_t, s_max, zrow, False, True,
+                     NB, BPN, BLOCK, 8)
+        v_k = tl.where(kk > lo, _unkey(kk.to(tl.int32)), NEG_INF)
+        z = mass_hi + tl.sum(_row_stat(x_row, vocab, inv_t, s_max, zrow, one + v_k, True, NB, BPN, BLOCK), 0)
+    v_p = tl.full([], NEG_INF, tl.float32)
+    if top_p < 1.0:
+        pk = _search(lo, hi, v_k, mass_hi, top_p * z, one, one, x_row, vocab, inv_t, s_max, zrow, True, True,
+                     NB, BPN, BLOCK, 8)
+        v_p = tl.where(pk > lo, _unkey(pk.to(tl.int32)), NEG_INF)
+    return v_k, v_p
+
+
+@triton.jit
+def _direct_thresholds(x_row, part_i_ptr, cand_ptr, row, num_chunks, seg_cap, vocab, inv_t, s_max, z, n_hi,
+                       mass_hi, top_k, top_p, CB: tl.constexpr, P: tl.constexpr):
+    """(v_k, v_p) with the whole undecided list (<= CB tokens) in registers."""
+    cid, ok = _list_ids(part_i_ptr, cand_ptr, row, num_chunks, seg_cap, 0, CB)
+    v_k = tl.full([], NEG_INF, tl.float32)
+    if (top_k > 0) & (top_k < vocab):
+        v_k, m_k = _register_search(cid, ok, x_row, vocab, inv_t, s_max, v_k, n_hi, top_k, False, P)
+        z = mass_hi + m_k
+    v_p = tl.full([], NEG_INF, tl.float32)
+    if top_p < 1.0:
+        v_p, _ = _register_search(cid, ok, x_row, vocab, inv_t, s_max, v_k, mass_hi, top_p * z, True, P)
+    return v_k, v_p
+
+
+@compile_ahead.kernel
+@triton.jit
+def _select_kernel(
+        logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, offset_ptr,   # pointers
+        part_f_ptr, part_i_ptr, zones_ptr, cand_ptr, scratch_ptr, out_ptr,
+        vocab, num_chunks, seg_cap,                                                    # sizes
+        stride_l,                                                                      # strides
+        NB: tl.constexpr, BPN: tl.constexpr, BLOCK: tl.constexpr, C_PAD: tl.constexpr,
+        CB: tl.constexpr, CB_SMALL: tl.constexpr, RB: tl.constexpr, LB: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl.wait(USE_PDL)
+    pdl.start_dependents(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cs = tl.arange(0, C_PAD)
+    x_max = _row_max(part_f_ptr, row, num_chunks, C_PAD)
+    args = tl.load(part_i_ptr + (row * num_chunks + cs) * 3, mask=cs < num_chunks, other=INT_MAX)
+    maxes = tl.load(part_f_ptr + (row * num_chunks + cs) * 4, mask=cs < num_chunks, other=NEG_INF)
+    token = tl.min(tl.where(maxes == x_max, args, INT_MAX), 0)                 # greedy: lowest argmax
+    t = tl.load(temp_ptr + row)
+    inv_t = tl.math.div_rn(1.0, tl.where(t > 0, t, 1.0))
+    s_max = x_max * inv_t
+    if (t > 0) & (s_max > NEG_INF):
+        top_k, top_p, min_p = tl.load(top_k_ptr + row), tl.load(top_p_ptr + row), tl.load(min_p_ptr + row)
+        seed, offset = tl.load(seed_ptr + row), tl.load(offset_ptr + row)
+        z = _row_sum(part_f_ptr, row, num_chunks, 1, 4, C_PAD)
+        mass_hi = _row_sum(part_f_ptr, row, num_chunks, 2, 4, C_PAD)
+        n_list = _row_sum(part_i_ptr, row, num_chunks, 2, 3, C_PAD)
+        scores = tl.load(part_f_ptr + (row * num_chunks + cs) * 4 + 3, mask=cs < num_chunks, other=NEG_INF)
+        ids = tl.load(part_i_ptr + (row * num_chunks + cs) * 3 + 1, mask=cs < num_chunks, other=INT_MAX)
+        best = tl.max(scores, 0)                                   # the surely-kept zone's winner
+        best_id = tl.min(tl.where(scores == best, ids, INT_MAX), 0)
+        zrow = zones_ptr + row * 8
+        n_hi = tl.load(zrow + 5)
+        x_row = logits_ptr + row * stride_l
+        if n_list > 0:
+            if n_list <= CB_SMALL:
+                v_k, v_p = _direct_thresholds(x_row, part_i_ptr, cand_ptr, row, num_chunks, seg_cap, vocab, inv_t,
+                                              s_max, z, n_hi, mass_hi, top_k, top_p, CB_SMALL, 8)
+            elif n_list <= CB:
+                v_k, v_p = _direct_thresholds(x_row, part_i_ptr, cand_ptr, row, num_chunks, seg_cap, vocab, inv_t,
+                                              s_max, z, n_hi, mass_hi, top_k, top_p, CB, 2)
+            else:
+                v_k, v_p, fail = _refined_thresholds(x_row, part_i_ptr, cand_ptr, scratch_ptr + row * CB, zrow,
+                                                     row, num_chunks, seg_cap, n_list, vocab, inv_t, s_max, z,
+                                                     n_hi, mass_hi, top_k, top_p, CB, RB, LB, NB, BPN)
+                if fail:
+                    v_k, v_p = _row_thresholds(x_row, zrow, vocab, inv_t, s_max, z, n_hi, mass_hi, top_k, top_p,
+                                               NB, BPN, BLOCK)
+            m, m_id = _list_winner(x_row, part_i_ptr, cand_ptr, row, num_chunks, seg_cap, n_list, vocab, inv_t,
+                                   s_max, v_k, v_p, min_p, seed, offset, LB)
+            best_id = tl.where((m > best) | ((m == best) & (m_id < best_id)), m_id, best_id)
+            best = tl.maximum(best, m)
+        token = tl.where(best > NEG_INF, best_id, token)
+    tl.store(out_ptr + row, token.to(tl.int64))
