@@ -3,7 +3,7 @@
 #   env tests tests-all targets kernels linear pdl-ab sdpa-ab diag profile-phi3 core core-fast phi3 phi3-fast capture
 #   capture-ahead compile compile-time final
 #   baseline (decode rows of the tree in .base/, e.g. `git archive <commit> fullgraph | tar -x -C .base`, beside ours)
-#   peers (the decode table beside a naive whole-model graph and reduce-overhead) window serve engine sanitize
+#   peers (the decode table beside a naive whole-model graph and reduce-overhead) window serve engine (sampling, mask) sanitize
 # Logs and JSON land in $OUT (or ./out); each part has its own time limit so a call stays bounded.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -55,6 +55,7 @@ serve)
 engine)
     run engine_overhead 150 python3 benchmarks/engine_overhead.py --out "$OUT/engine_overhead.json"
     run sampling 90 python3 benchmarks/bench_sampling.py --out "$OUT/sampling.json"
+    run mask 60 python3 benchmarks/bench_mask.py --out "$OUT/mask.json"
     ;;
 sanitize)  # quick: triton and block-sparse kernels, with programmatic dependent launch and without
     run sanitize 200 python3 benchmarks/sanitize.py --quick --tools initcheck memcheck --timeout 90 --out "$OUT/sanitize.json"

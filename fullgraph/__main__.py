@@ -37,6 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens (-1: off)")
     g.add_argument("--seed", type=int, default=None, help="random seed of the request (default: the engine's)")
     g.add_argument("--max-model-len", type=int, default=2048, help="longest sequence (prompt + output)")
+    g.add_argument("--json-schema", default=None, help="constrain the output to this JSON schema (a file)")
+    g.add_argument("--regex", default=None, help="constrain the output to this regular expression")
     g.add_argument("--attention", default="auto", choices=backends, help="dense attention backend")
 
     d = sub.add_parser("doctor", formatter_class=fmt, help="find where eager / padded / graph / compiled outputs diverge")

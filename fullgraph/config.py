@@ -53,6 +53,9 @@ class RunnerConfig:
             are step fields, ``fields.SAMPLING_FIELDS``) and returns token ids instead of logits.
         max_logprobs: with ``sampling``, the graph also returns each sampled token's logprob and
             the top ``max_logprobs`` logprobs of every request (0: none).
+        structured: with ``sampling``, requests may be constrained by an allowed-token bitmask
+            (step fields ``constrained`` and ``token_bitmask``), applied in the graph before the
+            sampling filters.
     """
 
     max_num_seqs: int = 16
@@ -68,6 +71,7 @@ class RunnerConfig:
     compile: bool = False
     sampling: bool = False
     max_logprobs: int = 0
+    structured: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_tokens", "max_model_len", "block_size"):
@@ -88,6 +92,8 @@ class RunnerConfig:
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0 or (self.max_logprobs and not self.sampling):
             raise ValueError(f"RunnerConfig.max_logprobs must be an int >= 0, and needs sampling=True "
                              f"(got {self.max_logprobs!r}, sampling={self.sampling})")
+        if self.structured and not self.sampling:
+            raise ValueError("RunnerConfig.structured needs sampling=True (the mask applies where the graph samples)")
         if self.num_blocks is not None and self.num_blocks < 2:
             raise ValueError(
                 f"RunnerConfig.num_blocks must be >= 2 (block 0 is the reserved null block), "

@@ -16,12 +16,15 @@ Axes (T = padded tokens, R = padded requests, MB = max blocks per sequence):
     ``REQUEST``             (R,)        the step's real requests (chunks)
     ``REQUEST_PLUS_ONE``    (R + 1,)    cumulative offsets: real requests + 1
     ``REQUEST_BLOCKS``      (R, MB)     one row per real request
+    ``REQUEST_WORDS``       (R, width)  one row per real request (``Field.width`` columns, e.g. a
+                                        packed bitmask over the vocabulary)
     ``STEP``                (1,)        one value for the whole step (never padded)
     ======================  ==========  =========================================
 
 The *tail* is what the rows past the real ones hold in a padded step ("no work" for every kernel):
 an int or float constant, or ``REPEAT_LAST`` (the last real value; cumulative offsets must stay
-non-decreasing). Pure host code: numpy only, no project imports.
+non-decreasing), or None: rows nobody reads unless another field says so (a per-request flag),
+left as they are. Pure host code: numpy only, no project imports.
 """
 from __future__ import annotations
 
@@ -38,14 +41,16 @@ REPEAT_LAST = "repeat_last"
 TailRule = Union[int, float, str]  # a constant fill, or REPEAT_LAST
 
 TOKEN, REQUEST, REQUEST_PLUS_ONE, REQUEST_BLOCKS, STEP = "token", "request", "request+1", "request_blocks", "step"
-AXES = (TOKEN, REQUEST, REQUEST_PLUS_ONE, REQUEST_BLOCKS, STEP)
+REQUEST_WORDS = "request_words"
+AXES = (TOKEN, REQUEST, REQUEST_PLUS_ONE, REQUEST_BLOCKS, REQUEST_WORDS, STEP)
 
 # Who reads a field: the model (its inputs), attention backends (metadata; built only when a
 # backend declares it reads it), the runner itself (e.g. which rows become logits), or sampling.
 ROLES = ("model", "metadata", "runner", "sampling")
 # Who writes a field's real rows: the planner (from the chunks), the caller (per-request values
-# passed to the step; the field's default otherwise), or a backend's ``prepare`` hook.
-SOURCES = ("plan", "caller", "backend")
+# passed to the step; the field's default otherwise), a backend's ``prepare`` hook, or the host
+# owner of a big field (only when it has values: nothing is filled otherwise).
+SOURCES = ("plan", "caller", "backend", "host")
 
 
 @dataclass(frozen=True)
@@ -56,13 +61,15 @@ class Field:
         name: the array's name (``StepPlan.<name>``, ``AttentionMetadata.<name>``, buffer name).
         dtype: numpy dtype of the host array and the device buffer.
         axis: one of ``AXES``.
-        tail: default fill of the padded rows, or ``REPEAT_LAST``; padding policies may override it.
+        tail: default fill of the padded rows, ``REPEAT_LAST``, or None (left as they are; padding
+            policies may override it).
         doc: what it means (one line).
         role: one of ``ROLES``.
         source: one of ``SOURCES``.
         default: value of the real rows a caller or backend leaves unset (``source != "plan"``).
         check: an invariant of a padded plan beyond its tail, ``check(plan) -> None`` raising
             ``padding.PlanInvariantError``; run by ``padding.check`` in validate mode.
+        width: columns of a ``REQUEST_WORDS`` field.
     """
 
     name: str
@@ -74,6 +81,7 @@ class Field:
     source: str = "plan"
     default: int | float = 0
     check: Callable[[Any], None] | None = field(default=None, compare=False, repr=False)
+    width: int = 0
 
     def __post_init__(self) -> None:
         if not self.name.isidentifier():
@@ -86,19 +94,24 @@ class Field:
             if value not in allowed:
                 raise ValueError(f"step field {self.name!r}: {what} must be one of {allowed}, got {value!r}")
         check_tail_rule(self.name, self.tail)
+        if (self.axis == REQUEST_WORDS) != (self.width > 0):
+            raise ValueError(f"step field {self.name!r}: a {REQUEST_WORDS} field needs width > 0 (and only it)")
 
     def shape(self, num_tokens: int, num_reqs: int, max_blocks_per_seq: int) -> tuple[int, ...]:
         return {TOKEN: (num_tokens,), REQUEST: (num_reqs,), REQUEST_PLUS_ONE: (num_reqs + 1,),
-                REQUEST_BLOCKS: (num_reqs, max_blocks_per_seq), STEP: (1,)}[self.axis]
+                REQUEST_BLOCKS: (num_reqs, max_blocks_per_seq), REQUEST_WORDS: (num_reqs, self.width),
+                STEP: (1,)}[self.axis]
 
     def real_rows(self, num_tokens: int, num_reqs: int) -> int:
-        """Rows of a step with ``num_tokens`` real tokens and ``num_reqs`` real requests that are
-        not tail (for ``STEP``: all of its one row)."""
+        """Rows of a step with ``num_tokens`` tokens and ``num_reqs`` requests: its real rows (given
+        the real counts), or the rows of its bucket (given the padded ones). ``STEP``: its one row."""
         return {TOKEN: num_tokens, REQUEST: num_reqs, REQUEST_PLUS_ONE: num_reqs + 1,
-                REQUEST_BLOCKS: num_reqs, STEP: 1}[self.axis]
+                REQUEST_BLOCKS: num_reqs, REQUEST_WORDS: num_reqs, STEP: 1}[self.axis]
 
 
 def check_tail_rule(name: str, rule: object) -> None:
+    if rule is None:
+        return
     if isinstance(rule, bool) or not (isinstance(rule, (int, float)) or rule == REPEAT_LAST):
         raise ValueError(f"tail of step field {name!r} must be an int, a float or {REPEAT_LAST!r}, got {rule!r}")
 
@@ -241,3 +254,16 @@ class StepPlan:
     def __repr__(self) -> str:
         return (f"StepPlan({self.num_tokens} tokens / {self.num_reqs} requests padded to {self.num_tokens_padded} / "
                 f"{self.num_reqs_padded}, decode_only={self.decode_only}, fields={list(self.fields)})")
+
+
+def structured_fields(vocab_size: int) -> tuple[Field, ...]:
+    """The fields a runner with structured output adds (``RunnerConfig(structured=True)``): which
+    requests are constrained, and their allowed-token bitmasks (packed int32, bit ``v % 32`` of
+    word ``v // 32``; rows of unconstrained and padded requests are never read, so the host writes
+    only the constrained ones)."""
+    return (
+        Field("constrained", np.int32, REQUEST, 0, "1: apply this request's token_bitmask", role="sampling",
+              source="caller", default=0),
+        Field("token_bitmask", np.int32, REQUEST_WORDS, None, "allowed token ids, packed 32 to a word",
+              role="sampling", source="host", width=-(-vocab_size // 32)),
+    )

@@ -147,7 +147,7 @@ def tail_fill(rule: TailRule, last):
 
 def _check_tail(plan: StepPlan, name: str, start: int, rule: TailRule) -> None:
     arr = plan.arrays[name]
-    if start >= len(arr) or (rule == REPEAT_LAST and start == 0):
+    if rule is None or start >= len(arr) or (rule == REPEAT_LAST and start == 0):
         return
     fill = arr[start - 1] if rule == REPEAT_LAST else rule
     off = arr[start:] != fill

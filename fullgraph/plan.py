@@ -180,8 +180,7 @@ def _layout_decode(starts, start_list: list[int], pages: list[int], tokens, bloc
 
 def _views(out: Mapping[str, np.ndarray], fields: FieldTable, t_pad: int, r_pad: int) -> dict[str, np.ndarray]:
     """Each field's array sized to the padded step (views of ``out``, which may be larger)."""
-    sizes = {"token": t_pad, "request": r_pad, "request+1": r_pad + 1, "request_blocks": r_pad, "step": 1}
-    return {name: out[name][: sizes[f.axis]] for name, f in fields.items()}
+    return {name: out[name][: f.real_rows(t_pad, r_pad)] for name, f in fields.items()}
 
 
 def _finish(arrays: Mapping[str, np.ndarray], target: Target, nt: int, nr: int) -> None:
@@ -190,6 +189,8 @@ def _finish(arrays: Mapping[str, np.ndarray], target: Target, nt: int, nr: int) 
     values = target.values or {}
     for f in target.fields.filled:
         given, rows = values.get(f.name), f.real_rows(nt, nr)
+        if given is None and f.source == "host":
+            continue  # a big field its owner writes only when it has something to say
         if given is not None and len(given) != rows:
             raise ValueError(f"values[{f.name!r}]: {len(given)} values for a step of {nr} chunks / {nt} tokens "
                              f"(one per {'token' if f.axis == 'token' else 'chunk'}: {rows})")
@@ -200,7 +201,8 @@ def _finish(arrays: Mapping[str, np.ndarray], target: Target, nt: int, nr: int) 
         start = f.real_rows(nt, nr)
         if start < len(arr) and f.axis != "step":
             rule = tails.get(name, f.tail)
-            arr[start:] = arr[start - 1] if rule == REPEAT_LAST else rule
+            if rule is not None:
+                arr[start:] = arr[start - 1] if rule == REPEAT_LAST else rule
 
 
 def _explain_types(chunks: Sequence[SeqChunk]) -> None:

@@ -16,7 +16,7 @@ from .block_ids import BlockIdCache
 from .buffers import StaticBuffers
 from .compile import CompiledStep
 from .config import RunnerConfig, resolve_mode
-from .fields import SAMPLING_FIELDS, StepPlan
+from .fields import SAMPLING_FIELDS, StepPlan, structured_fields
 from .graphs import CaptureReport, GraphKey, GraphSet
 from .kernels import compile_ahead
 from .kv_cache import BlockAllocator, KVCacheSpec, allocate_kv_caches
@@ -78,7 +78,8 @@ class FullGraphRunner:
         self.config = config.replace(num_blocks=num_blocks, attention=dense)
         unique = list({id(b): b for b in self.backends.values()}.values())
         self.policy = padding.compose(*(b.policy for b in unique))
-        self.fields = self.policy.table.extended(SAMPLING_FIELDS if config.sampling else ())
+        self.fields = self.policy.table.extended((SAMPLING_FIELDS if config.sampling else ())
+                                                 + (structured_fields(self.vocab_size) if config.structured else ()))
         # only backends that plan on the host are asked, every step
         self._preparers = [b for b in unique if type(b).prepare is not AttentionBackend.prepare]
         self.kv_caches = allocate_kv_caches([KVCacheSpec(l.num_kv_heads, l.head_dim) for l in layers],
@@ -92,6 +93,7 @@ class FullGraphRunner:
         self._compiled = CompiledStep(self._model_forward, strict=self.config.validate) if self.config.compile else None
         self._forward = self._compiled or self._model_forward
         self._validator = StepValidator(self.buffers, self.kv_caches, config.block_size) if config.validate else None
+        self._host_fields = [n for n, f in self.fields.items() if f.source == "host"]
         self._warm = False
         self._block_ids = BlockIdCache()  # the last step's block ids, reused while a request's list is unchanged
         self._stats = {"steps": 0, "tokens": 0, "padded_tokens": 0, "graph_hits": Counter(),
@@ -169,7 +171,8 @@ class FullGraphRunner:
         if not pad:
             outputs, mode = self._run_unpadded(plan, token_ids), "none"
         else:
-            outputs, mode = self._run_padded(plan, token_ids)
+            side = {n: plan.num_reqs_padded for n in self._host_fields if values and n in values}
+            outputs, mode = self._run_padded(plan, token_ids, side)
         self.blocks.record_writes(plan.slot_mapping[: plan.num_tokens], cfg.block_size)
         self._count(plan, mode)
         return StepOutput(outputs.get("logits"), mode, plan.num_tokens, plan.num_tokens_padded,
@@ -189,10 +192,11 @@ class FullGraphRunner:
                 i = int(bad.nonzero()[0])
                 raise ValueError(f"token_ids[{i}] = {int(token_ids[i])}: outside the vocabulary [0, {self.vocab_size})")
 
-    def _run_padded(self, plan: StepPlan, token_ids: torch.Tensor | None = None) -> tuple[dict[str, torch.Tensor], str]:
+    def _run_padded(self, plan: StepPlan, token_ids: torch.Tensor | None = None,
+                    side: dict[str, int] | None = None) -> tuple[dict[str, torch.Tensor], str]:
         key = plan.key
         graph = self._graphs is not None and self._graph_for(key, plan)
-        self.buffers.upload(token_ids, self.vocab_size)
+        self.buffers.upload(token_ids, self.vocab_size, side)
         if self._validator is not None:
             if graph:
                 self._graphs.check_addresses(self._addresses())
@@ -260,11 +264,14 @@ class FullGraphRunner:
         return self._sample(logits, inputs)
 
     def _sample(self, logits: torch.Tensor, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        raw = logits
+        if self.config.structured:  # grammar masks first: the filters and the sample see allowed tokens only
+            logits = sampling.apply_token_bitmask(logits, inputs["token_bitmask"], inputs["constrained"])
         ids = sampling.sample(logits, inputs["temperature"], inputs["top_k"], inputs["top_p"], inputs["min_p"],
                               inputs["seed"], inputs["sample_offset"])                            # (R,) int64
         out = {"token_ids": ids}
         if self.config.max_logprobs:
-            chosen, top, top_ids = sampling.token_logprobs(logits, ids, self.config.max_logprobs)
+            chosen, top, top_ids = sampling.token_logprobs(raw, ids, self.config.max_logprobs)
             out.update(logprobs=torch.cat((chosen[:, None], top), dim=1), top_ids=top_ids)
         return out
 

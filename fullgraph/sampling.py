@@ -148,3 +148,20 @@ def token_logprobs(logits: Tensor, ids: Tensor, num_top: int) -> tuple[Tensor, T
 
 
 __all__ = ["gumbel_noise", "philox4x32", "sample", "sample_reference", "token_logprobs"]
+
+
+def apply_token_bitmask(logits: Tensor, bitmask: Tensor, constrained: Tensor) -> Tensor:
+    """``logits`` with every token a constrained row's bitmask forbids set to -inf (capture-safe).
+
+    logits: (R, V) float32; bitmask: (R, W) int32 with W = ceil(V / 32), bit ``v % 32`` of word
+    ``v // 32`` set where token v is allowed; constrained: (R,) int32, 0 for rows whose bitmask is
+    never read (unconstrained and padded requests: their rows are left as they are). A constrained
+    row that allows nothing keeps its logits (the engine ends such a request itself).
+    """
+    rows, vocab = logits.shape
+    # Little-endian words: bit v % 32 of word v // 32 is bit v % 8 of byte v // 8. Unpacking the
+    # bytes is a broadcast (no (R, V) index tensor, no gather): half the time of a gather on CPU.
+    shifts = torch.arange(8, dtype=torch.uint8, device=logits.device)
+    allowed = ((bitmask.contiguous().view(torch.uint8)[:, :, None] >> shifts) & 1).bool().reshape(rows, -1)[:, :vocab]
+    use = (constrained != 0)[:, None] & allowed.any(dim=1, keepdim=True)
+    return torch.where(use & ~allowed, float("-inf"), logits)

@@ -334,9 +334,9 @@ def test_rope_scaling_is_mapped(tmp_path, keys, expected):
 
 
 def test_smollm2_tokenizer_agrees_with_config(smollm2):
-    from fullgraph.models.gguf import gguf_tokenizer
+    from fullgraph.engine.llm import load_tokenizer
 
     path, ck = smollm2
-    tok = gguf_tokenizer(path)
+    tok = load_tokenizer(path)
     assert (tok.bos_token_id, tok.eos_token_id) == (ck.config["bos_token_id"], ck.config["eos_token_id"]) == (1, 2)
     assert tok.eos_token == "<|im_end|>" and len(tok) == ck.config["vocab_size"]

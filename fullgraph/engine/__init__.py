@@ -4,5 +4,6 @@ batching policy."""
 from .engine import Engine
 from .llm import LLM, load_tokenizer
 from .params import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
+from .structured import Structured
 
-__all__ = ["CompletionOutput", "Engine", "LLM", "RequestMetrics", "RequestOutput", "SamplingParams", "load_tokenizer"]
+__all__ = ["CompletionOutput", "Engine", "LLM", "RequestMetrics", "RequestOutput", "SamplingParams", "Structured", "load_tokenizer"]

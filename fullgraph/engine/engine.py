@@ -66,10 +66,14 @@ class Engine:
         eos_token_ids: ids that end a request (unless ``ignore_eos``).
         seed: the generator of the seeds of requests that bring none.
         overlap: plan and launch each step before reading the previous one's tokens.
+        token_bytes, special_token_ids: the bytes of every token id and which are special tokens,
+            for structured output without a tokenizer object (e.g. ``vocab.token_bytes`` of a
+            tiktoken vocabulary with its str special tokens).
     """
 
     def __init__(self, runner: FullGraphRunner, tokenizer=None, *, eos_token_ids: Iterable[int] = (), seed: int = 0,
-                 overlap: bool = True) -> None:
+                 overlap: bool = True, token_bytes: Sequence[bytes] | None = None,
+                 special_token_ids: Iterable[int] = ()) -> None:
         if not runner.config.sampling:
             raise ValueError("Engine needs a runner that samples in its graph: FullGraphRunner(model, sampling=True)")
         cfg = runner.config
@@ -81,6 +85,9 @@ class Engine:
         self._fetch = _Fetch(runner)
         self._inflight: _Launched | None = None
         self._text_tables = None
+        self._grammars = None
+        self.token_bytes = None if token_bytes is None else list(token_bytes)
+        self.special_token_ids = frozenset(int(i) for i in special_token_ids)
 
     # ---- requests --------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None) -> None:
@@ -102,6 +109,7 @@ class Engine:
                              f"pages; the cache has {cfg.num_blocks - 1}")
         if (params.stop or not params.skip_special_tokens) and self.tokenizer is None:
             raise ValueError(f"{who}: stop: stop strings need a tokenizer (this engine has none: token ids only)")
+        matcher = self._matcher(who, params) if params.structured is not None else None
         if (params.logprobs or 0) > cfg.max_logprobs:
             raise ValueError(f"{who}: logprobs: {params.logprobs} asked for, the runner returns at most "
                              f"{cfg.max_logprobs} (LLM(max_logprobs=...) / RunnerConfig.max_logprobs)")
@@ -109,7 +117,7 @@ class Engine:
         text = self._request_text(params) if self.tokenizer is not None else None
         request = Request(str(request_id), text_prompt, ids, params, seed, text,
                           RequestMetrics(time.perf_counter(), num_prompt_tokens=len(ids)), max_len,
-                          logprobs=[] if params.logprobs is not None else None)
+                          logprobs=[] if params.logprobs is not None else None, matcher=matcher)
         self._requests[request.request_id] = request
         self.scheduler.add(request)
 
@@ -131,10 +139,30 @@ class Engine:
             raise ValueError(f"{who}: prompt: empty (a request needs at least one token)")
         return text, [int(t) for t in ids]
 
-    def _request_text(self, params: SamplingParams) -> RequestText:
+    def _matcher(self, who: str, params: SamplingParams):
+        if not self.runner.config.structured:
+            raise ValueError(f"{who}: structured: this runner applies no token masks "
+                             "(LLM(..., structured=True) / RunnerConfig(structured=True))")
+        if self.tokenizer is None and self.token_bytes is None:
+            raise ValueError(f"{who}: structured: constrained output needs the vocabulary's bytes (a tokenizer)")
+        if self._grammars is None:
+            from .structured import GrammarCompiler
+
+            if self.token_bytes is not None:
+                table, special, encode = self.token_bytes, self.special_token_ids, None
+            else:
+                (table, special), tok = self._tables(), self.tokenizer
+                encode = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+            self._grammars = GrammarCompiler(table, special, sorted(self.eos_token_ids), encode)
+        return self._grammars.matcher(params.structured, who)
+
+    def _tables(self):
         if self._text_tables is None:
             self._text_tables = tokenizer_token_bytes(self.tokenizer, self.runner.vocab_size)
-        token_bytes, special = self._text_tables
+        return self._text_tables
+
+    def _request_text(self, params: SamplingParams) -> RequestText:
+        token_bytes, special = self._tables()
         return RequestText(token_bytes, special, params.stop, params.skip_special_tokens,
                            params.include_stop_str_in_output)
 
@@ -177,7 +205,10 @@ class Engine:
             for name, value in (("temperature", p.temperature), ("top_k", p.top_k), ("top_p", p.top_p),
                                 ("min_p", p.min_p), ("seed", r.seed), ("sample_offset", len(r.outputs) + r.pending)):
                 values[name].append(value)
-        out = self.runner.step(chunks, values={**values, "prev_token_row": prev_rows})
+        values["prev_token_row"] = prev_rows
+        if self.runner.config.structured:
+            self._masks(slots, values)
+        out = self.runner.step(chunks, values=values)
         handle = self._fetch.start({k: v for k, v in (("token_ids", out.token_ids), ("logprobs", out.logprobs),
                                                       ("top_ids", out.top_ids)) if v is not None})
         rows = []
@@ -186,6 +217,18 @@ class Engine:
             slot.request.pending += slot.samples
             rows.append(slot.request if slot.samples else None)
         return _Launched(handle, rows)
+
+    def _masks(self, slots, values: dict) -> None:
+        """The constrained chunks' allowed-token masks (only when there is one: the field is big)."""
+        flags = [int(s.samples and s.request.matcher is not None) for s in slots]
+        values["constrained"] = flags
+        if any(flags):
+            words = -(-self.runner.vocab_size // 32)
+            masks = np.zeros((len(slots), words), dtype=np.int32)
+            for i, s in enumerate(slots):
+                if flags[i]:
+                    masks[i] = s.request.matcher.mask()
+            values["token_bitmask"] = masks
 
     def _collect(self, launched: _Launched) -> list[RequestOutput]:
         got = self._fetch.wait(launched.handle, len(launched.rows))
@@ -220,7 +263,15 @@ class Engine:
         return self._output(request, delta, [token])
 
     def _check_finish(self, request: Request, token: int) -> None:
-        p = request.params
+        p, grammar = request.params, request.matcher
+        if grammar is not None and not (token in self.eos_token_ids and grammar.accepting):
+            grammar.accept(token)
+            if grammar.error is not None:
+                request.finish_reason, request.stop_reason = "stop", "grammar_error"
+                return
+            if grammar.stopped:  # complete, and nothing may follow
+                request.finish_reason, request.stop_reason = "stop", "grammar"
+                return
         if not p.ignore_eos and token in self.eos_token_ids:
             request.finish_reason, request.stop_reason = "stop", token
         elif token in p.stop_token_ids:
@@ -229,6 +280,8 @@ class Engine:
             request.finish_reason, request.stop_reason = "stop", request.text.stop
         elif len(request.prompt_ids) + len(request.outputs) >= request.max_len:
             request.finish_reason = "length"
+            if grammar is not None and not grammar.accepting:
+                request.stop_reason = "grammar_incomplete"  # the constraint could not be met in max_tokens
 
     def _output(self, request: Request, delta: str, delta_ids: list[int]) -> RequestOutput:
         completion = CompletionOutput(0, request.text.text if request.text is not None else "", list(request.outputs),

@@ -39,12 +39,13 @@ class LLM:
     (bfloat16), else the CPU (float32); CUDA graphs on CUDA, the padded buffers elsewhere.
     ``max_model_len`` defaults to the model's, capped at 4096. Other keyword arguments go to the
     ``FullGraphRunner``. ``llm.engine`` is the ``Engine``, ``llm.runner`` its runner.
+    ``structured=True``: requests may carry ``SamplingParams(structured=fg.Structured(...))``.
     """
 
     def __init__(self, model: str | Path | nn.Module, *, tokenizer="auto", dtype: torch.dtype | None = None,
                  device: str | torch.device | None = None, max_num_seqs: int = 64, max_model_len: int | None = None,
                  max_num_tokens: int = 1024, max_logprobs: int = 0, seed: int = 0, eos_token_ids=None,
-                 **runner_kwargs) -> None:
+                 structured: bool = False, **runner_kwargs) -> None:
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         eos = set(eos_token_ids or [])
@@ -61,7 +62,8 @@ class LLM:
         max_model_len = max_model_len or min(int(getattr(model, "max_model_len", 4096)), 4096)
         max_num_seqs = min(max_num_seqs, max_num_tokens)
         runner_kwargs.setdefault("max_capture_size", min(max_num_tokens, max(256, max_num_seqs)))
-        self.runner = FullGraphRunner(model, sampling=True, max_logprobs=max_logprobs, max_num_seqs=max_num_seqs,
+        self.runner = FullGraphRunner(model, sampling=True, max_logprobs=max_logprobs, structured=structured,
+                                      max_num_seqs=max_num_seqs,
                                       max_model_len=max_model_len, max_num_tokens=max_num_tokens, **runner_kwargs)
         self.engine = Engine(self.runner, tokenizer, eos_token_ids=eos, seed=seed)
         self.tokenizer = tokenizer

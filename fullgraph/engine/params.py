@@ -25,6 +25,7 @@ class SamplingParams:
     tokens, not included in the text unless ``include_stop_str_in_output``); ``stop_token_ids`` and,
     unless ``ignore_eos``, the checkpoint's eos ids end it too. ``logprobs``: return the sampled
     token's logprob and the top ``logprobs`` of each step (needs ``LLM(max_logprobs=...)`` at least that).
+    ``structured``: constrain the output (``fullgraph.Structured``; needs ``LLM(structured=True)``).
     """
 
     n: int = 1
@@ -40,6 +41,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured: object = None   # a fullgraph.Structured: JSON schema / regex / grammar / choice
 
     def __post_init__(self) -> None:
         if _number(self.n, "n", numbers.Integral) != 1:
@@ -65,6 +67,9 @@ class SamplingParams:
         for i in ids:
             if isinstance(i, bool) or not isinstance(i, numbers.Integral) or i < 0:
                 raise ValueError(f"SamplingParams.stop_token_ids: expected ids >= 0, got {i!r}")
+        if self.structured is not None and type(self.structured).__name__ != "Structured":
+            raise ValueError(f"SamplingParams.structured: expected a fullgraph.Structured, got "
+                             f"{type(self.structured).__name__}")
         object.__setattr__(self, "stop", tuple(stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids))
 

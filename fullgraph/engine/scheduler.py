@@ -10,7 +10,8 @@ owns every request's pages and positions; the caller never passes them.
 
 With the engine's overlapped loop a request's newest token may still be on the device when the
 next step is planned: ``pending`` counts such tokens, and the next step reads them where they lie
-(``Slot.prev_row``). A request's length known to the scheduler includes them.
+(``Slot.prev_row``). A request's length known to the scheduler includes them. A constrained
+request (structured output) waits a step instead: its next allowed-token mask needs that token.
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ class Request:
     order: int = 0                    # admission order (preemption takes the latest)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    matcher: object = None            # structured output: the grammar state (engine.structured.Matcher)
 
     @property
     def length(self) -> int:
@@ -125,6 +127,8 @@ class Scheduler:
         for request in sorted(self.running, key=lambda r: r.order):  # decodes first, oldest first
             if request not in self.running or request.computed < request.length - 1 or request.length >= request.max_len:
                 continue
+            if request.matcher is not None and request.pending:
+                continue  # its next mask needs the token still on the device: it runs every other step
             while not self._ensure_pages(request, request.length) and self._preempt_latest() is not request:
                 pass
             if request not in self.running:

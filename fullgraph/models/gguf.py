@@ -112,16 +112,6 @@ def read_gguf(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32) ->
     return GGUFCheckpoint(config=config, state_dict=state_dict, metadata=kv, path=path)
 
 
-def gguf_tokenizer(path: str | os.PathLike) -> Any:
-    """The file's tokenizer as transformers rebuilds it (``AutoTokenizer(dir, gguf_file=name)``)."""
-    try:
-        from transformers import AutoTokenizer  # optional dependency: only the tokenizer needs it
-    except ImportError as e:
-        raise ImportError("gguf_tokenizer needs transformers (pip install transformers)") from e
-    path = Path(path)
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-
-
 def _import_gguf() -> Any:
     try:
         import gguf  # optional dependency: only GGUF checkpoints need it
