@@ -139,6 +139,9 @@ def test_bad_constraints_name_the_request():
     plain = fg.Engine(fg.FullGraphRunner(toy_model(), sampling=True, cudagraph=MODE, **LIMITS))
     with pytest.raises(ValueError, match="request 'x': structured: this runner applies no token masks"):
         plain.add_request("x", [1], fg.SamplingParams(structured=fg.Structured(regex="a")))
+    with pytest.raises(ValueError, match="token_bytes: 511 entries, expected one per token id of the model .512"):
+        fg.Engine(fg.FullGraphRunner(toy_model(), sampling=True, structured=True, cudagraph=MODE, **LIMITS),
+                  token_bytes=[b"a"] * 511)
     assert not engine.has_unfinished()
 
 

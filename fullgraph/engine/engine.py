@@ -87,6 +87,9 @@ class Engine:
         self._text_tables = None
         self._grammars = None
         self.token_bytes = None if token_bytes is None else list(token_bytes)
+        if self.token_bytes is not None and len(self.token_bytes) != runner.vocab_size:
+            raise ValueError(f"token_bytes: {len(self.token_bytes)} entries, expected one per token id of the "
+                             f"model ({runner.vocab_size}; pad dummy ids with b'')")
         self.special_token_ids = frozenset(int(i) for i in special_token_ids)
 
     # ---- requests --------------------------------------------------------------------------
@@ -225,9 +228,7 @@ class Engine:
         if any(flags):
             words = -(-self.runner.vocab_size // 32)
             masks = np.zeros((len(slots), words), dtype=np.int32)
-            for i, s in enumerate(slots):
-                if flags[i]:
-                    masks[i] = s.request.matcher.mask()
+            self._grammars.fill_masks([(s.request.matcher, i) for i, s in enumerate(slots) if flags[i]], masks)
             values["token_bitmask"] = masks
 
     def _collect(self, launched: _Launched) -> list[RequestOutput]:

@@ -114,6 +114,7 @@ class GrammarCompiler:
         self.vocab_size = len(token_bytes)
         self._tokenizer = llg.LLTokenizer(llg.TokenizerWrapper(vocab), n_vocab=self.vocab_size,
                                           eos_token=eos or None)
+        self._executor = None
 
     def matcher(self, structured: Structured, who: str) -> Matcher:
         try:
@@ -124,6 +125,15 @@ class GrammarCompiler:
         if m.is_error():
             raise ValueError(f"{who}: structured: {m.get_error().splitlines()[0]}")
         return Matcher(m, self.vocab_size)
+
+    def fill_masks(self, matchers: Sequence[tuple[Matcher, int]], out: np.ndarray) -> None:
+        """Each ``(matcher, row)``'s allowed next tokens into ``out[row]`` ((R, ceil(V / 32))
+        int32), computed in parallel on llguidance's threads (they release the GIL)."""
+        if self._executor is None:
+            self._executor = _llguidance().LLExecutor()
+        from llguidance.numpy import fill_next_token_bitmask_par
+
+        fill_next_token_bitmask_par(self._executor, [(m._m, row) for m, row in matchers], out)
 
 
 class Matcher:
