@@ -194,6 +194,8 @@ def _finish(arrays: Mapping[str, np.ndarray], target: Target, nt: int, nr: int) 
         if given is not None and len(given) != rows:
             raise ValueError(f"values[{f.name!r}]: {len(given)} values for a step of {nr} chunks / {nt} tokens "
                              f"(one per {'token' if f.axis == 'token' else 'chunk'}: {rows})")
+        if given is not None and f.width and np.shape(given)[1:] != (f.width,):
+            raise ValueError(f"values[{f.name!r}]: rows of shape {np.shape(given)[1:]}, expected ({f.width},)")
         arrays[f.name][:rows] = f.default if given is None else given
     tails = target.policy.tails
     for name, f in target.fields.items():

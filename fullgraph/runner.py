@@ -157,6 +157,9 @@ class FullGraphRunner:
             self.warmup()  # compile / capture first: they run their own plans through the staging area
         # padded: planned straight into the staging area. A step refused below leaves it unsent (on
         # CPU it is the buffers themselves, but every step rewrites all of its own bucket).
+        if cfg.structured and values and values.get("token_bitmask") is None and any(values.get("constrained", ())):
+            raise ValueError("values['constrained'] marks constrained rows but values['token_bitmask'] is missing "
+                             "(the masks of earlier steps are not kept)")
         target = Target(self.fields, self.policy, values, self.buffers.staging() if pad else None)
         plan = plan_with_cache(chunks, cfg, target, pad, cfg.num_blocks, self.vocab_size, self._block_ids)
         self.blocks.check(plan, lambda i: _who(chunks, i))  # pages allocated; context positions written

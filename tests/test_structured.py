@@ -86,6 +86,10 @@ def test_greedy_under_a_mask_is_the_best_allowed_token_and_neighbours_are_untouc
     masks[:2] = pack(allowed)[:2].numpy()
     out = runner.step(chunks, values={"constrained": [1, 1, 0], "token_bitmask": masks, "temperature": [0.0] * 3})
     ids = out.token_ids.tolist()
+    with pytest.raises(ValueError, match="token_bitmask'. is missing"):
+        runner.step(chunks, values={"constrained": [1, 0, 0]})
+    with pytest.raises(ValueError, match=r"token_bitmask'.: rows of shape \(15,\), expected \(16,\)"):
+        runner.step(chunks, values={"constrained": [1, 0, 0], "token_bitmask": masks[:, :15]})
     assert ids[0] == int(logits[0].argmax())
     assert ids[1] == int(torch.where(torch.from_numpy(allowed[1]), logits[1], float("-inf")).argmax())
     assert ids[2] == int(logits[2].argmax())                                # unconstrained in the same batch
