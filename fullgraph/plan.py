@@ -68,7 +68,7 @@ def bucket_for(num_tokens: int, buckets: Sequence[int]) -> int | None:
 
 
 def _gather(chunks: Sequence[SeqChunk], tok_lists: list[Sequence[int]], q_list: list[int], config: RunnerConfig,
-            num_blocks: int, vocab_size: int | None):
+            num_blocks: int, vocab_size: int | None, shared: np.ndarray | None):
     """The chunks of a mixed step as arrays, validated: ``(q_lens, starts, ends, n_blocks, tokens,
     blocks, max_seq_len)``.
 
@@ -88,9 +88,9 @@ def _gather(chunks: Sequence[SeqChunk], tok_lists: list[Sequence[int]], q_list: 
     ok = (total <= config.max_num_tokens and q_min > 0 and max(nb_list) <= config.max_blocks_per_seq
           and int(min(start_list)) >= 0 and max_seq_len <= config.max_model_len
           and (n_blocks * config.block_size >= ends).all() and _in_range(blocks, 1, num_blocks)
-          and (vocab_size is None or _in_range(tokens, 0, vocab_size)) and _distinct(blocks, num_blocks))
+          and (vocab_size is None or _in_range(tokens, 0, vocab_size)) and _distinct(blocks, num_blocks, shared))
     if not ok:
-        _explain(chunks, config, num_blocks, vocab_size, q_lens, starts, n_blocks, tokens, blocks)
+        _explain(chunks, config, num_blocks, vocab_size, q_lens, starts, n_blocks, tokens, blocks, shared)
     return q_lens, starts, ends, n_blocks, tokens, blocks, max_seq_len
 
 
@@ -111,7 +111,7 @@ class Target(NamedTuple):
 
 
 def _plan_decode(chunks: Sequence[SeqChunk], tok_lists: list[Sequence[int]], config: RunnerConfig, target: Target,
-                 pad: bool, num_blocks: int, vocab_size: int | None, cache: BlockIdCache | None) -> StepPlan:
+                 pad: bool, num_blocks: int, vocab_size: int | None, cache: BlockIdCache | None, shared) -> StepPlan:
     """``plan_step`` of a decode-only step (every chunk has one token, so token i is chunk i's):
     the same checks and arrays, with each chunk's position and page found once."""
     n, bs = len(chunks), config.block_size
@@ -127,10 +127,10 @@ def _plan_decode(chunks: Sequence[SeqChunk], tok_lists: list[Sequence[int]], con
     max_seq_len = max(start_list) + 1
     ok = (max(nb_list) <= config.max_blocks_per_seq and min(start_list) >= 0 and max_seq_len <= config.max_model_len
           and all(map(int.__lt__, pages, nb_list)) and (vocab_size is None or _in_range(tokens, 0, vocab_size))
-          and (checked or (_in_range(blocks, 1, num_blocks) and _distinct(blocks, num_blocks))))
+          and (checked or (_in_range(blocks, 1, num_blocks) and _distinct(blocks, num_blocks, shared))))
     if not ok:
         _explain(chunks, config, num_blocks, vocab_size, np.ones(n, np.int64), starts, np.array(nb_list, np.int64),
-                 tokens, blocks)
+                 tokens, blocks, shared)
     if cache is not None:
         cache.commit()
     t_pad, r_pad = _padded_sizes(n, n, config, pad)
@@ -236,17 +236,17 @@ def _in_range(values: np.ndarray, lo: int, hi: int) -> bool:
     return bool(((values - lo) if lo else values).view(np.uint64).max() < hi - lo)
 
 
-def _distinct(blocks: np.ndarray, num_blocks: int) -> bool:
-    """Whether no id repeats (ids already in ``[0, num_blocks)``). Every id writes its index into a
-    scratch table and a repeated id keeps only its last index: linear in ``len(blocks)``, unlike a
-    sort or a ``bincount``, and the scratch table needs no initialisation."""
+def _distinct(blocks: np.ndarray, num_blocks: int, shared: np.ndarray | None = None) -> bool:
+    """Whether no id (in ``[0, num_blocks)``) repeats but those ``shared`` marks (cached pages: never
+    written). Every id writes its index into a scratch table and a repeated id keeps only its last
+    index: linear in ``len(blocks)``, unlike a sort or a ``bincount``; no initialisation needed."""
     index = np.arange(len(blocks), dtype=np.int32)
     last = np.empty(num_blocks, np.int32)
     last[blocks] = index
-    return bool((last[blocks] == index).all())
+    return bool((last[blocks] == index).all() if shared is None else ((last[blocks] == index) | shared[blocks]).all())
 
 
-def _explain(chunks, config, num_blocks, vocab_size, q_lens, starts, n_blocks, tokens, blocks) -> None:
+def _explain(chunks, config, num_blocks, vocab_size, q_lens, starts, n_blocks, tokens, blocks, shared=None) -> None:
     """Raise the ValueError for the first problem, in a fixed order of checks."""
     n = len(chunks)
     _fail(chunks, q_lens == 0, "token_ids", lambda i: "empty chunk (a chunk needs at least one token)")
@@ -274,7 +274,8 @@ def _explain(chunks, config, num_blocks, vocab_size, q_lens, starts, n_blocks, t
     _fail(chunks, np.bincount(blk_owner[bad], minlength=n) > 0, "block_ids",
           lambda i: f"block id {blocks[bad & (blk_owner == i)][0]} is the null block or outside [1, {num_blocks})")
     order = np.argsort(blocks, kind="stable")
-    dup = np.flatnonzero(blocks[order][1:] == blocks[order][:-1])
+    same = blocks[order][1:] == blocks[order][:-1]
+    dup = np.flatnonzero(same if shared is None else same & ~shared[blocks[order][1:]])
     if dup.size:
         a, b = order[dup[0]], order[dup[0] + 1]
         other = "the same chunk" if blk_owner[a] == blk_owner[b] else _who(chunks, int(blk_owner[a]))
@@ -311,8 +312,10 @@ def plan_step(chunks: Sequence[SeqChunk], config: RunnerConfig, policy: PaddingP
 
 
 def plan_with_cache(chunks: Sequence[SeqChunk], config: RunnerConfig, target: Target, pad: bool,
-                    num_blocks: int | None, vocab_size: int | None, cache: BlockIdCache | None) -> StepPlan:
-    """``plan_step`` for a runner: its ``Target`` built once, and a ``BlockIdCache`` kept across steps."""
+                    num_blocks: int | None, vocab_size: int | None, cache: BlockIdCache | None,
+                    shared: np.ndarray | None = None) -> StepPlan:
+    """``plan_step`` for a runner: its ``Target`` built once, a ``BlockIdCache`` kept across steps; ``shared``
+    (``BlockAllocator.shared_pages()``): a bool mask of block ids several chunks may name (cached pages)."""
     num_blocks = num_blocks or config.num_blocks
     if num_blocks is None:
         raise ValueError("plan_step needs num_blocks: pass it, or use the runner's resolved config")
@@ -330,8 +333,8 @@ def plan_with_cache(chunks: Sequence[SeqChunk], config: RunnerConfig, target: Ta
         if not (all_ints(itertools.chain.from_iterable(tok_lists)) and all_ints(c.start_pos for c in chunks)):
             _explain_types(chunks)
         if q_list.count(1) == n:
-            return _plan_decode(chunks, tok_lists, config, target, pad, num_blocks, vocab_size, cache)
-        gathered = _gather(chunks, tok_lists, q_list, config, num_blocks, vocab_size)
+            return _plan_decode(chunks, tok_lists, config, target, pad, num_blocks, vocab_size, cache, shared)
+        gathered = _gather(chunks, tok_lists, q_list, config, num_blocks, vocab_size, shared)
     except (AttributeError, TypeError, IdsError):
         _explain_types(chunks)
         raise

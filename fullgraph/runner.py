@@ -135,9 +135,10 @@ class FullGraphRunner:
 
         Checked on the host before anything is sent, each a ``ValueError`` naming the chunk and
         field: types (ints only, no bool/float/str; ``SeqChunk``s in a list), sizes and limits,
-        token ids, page ids (in range, never the null block, none in two chunks, every page
-        allocated by ``runner.blocks``), and that every position a chunk attends to was written
-        by an earlier step. Not checked: which request a page belongs to (a chunk naming another
+        token ids, page ids (in range, never the null block, none in two chunks unless cached, every
+        page allocated by ``runner.blocks``), that every position a chunk attends to was written
+        by an earlier step, and that no chunk writes a shared page (cached by ``runner.blocks.seal``,
+        or with several owners). Not checked: which request a page belongs to (a chunk naming another
         live request's pages in a later step overwrites them): the engine owns pages and never
         does that; callers of the runner must not.
 
@@ -161,8 +162,9 @@ class FullGraphRunner:
             raise ValueError("values['constrained'] marks constrained rows but values['token_bitmask'] is missing "
                              "(the masks of earlier steps are not kept)")
         target = Target(self.fields, self.policy, values, self.buffers.staging() if pad else None)
-        plan = plan_with_cache(chunks, cfg, target, pad, cfg.num_blocks, self.vocab_size, self._block_ids)
-        self.blocks.check(plan, lambda i: _who(chunks, i))  # pages allocated; context positions written
+        plan = plan_with_cache(chunks, cfg, target, pad, cfg.num_blocks, self.vocab_size, self._block_ids,
+                               self.blocks.shared_pages())  # cached pages may be named by several chunks
+        self.blocks.check(plan, lambda i: _who(chunks, i))  # pages owned, context written, no shared page written
         for backend in self._preparers:
             reason = backend.prepare(plan)
             if reason:

@@ -60,6 +60,9 @@ def main(argv: list[str] | None = None, attention=None) -> None:
     s.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     s.add_argument("--seed", type=int, default=0, help="seed of the workload and the sampler")
     s.add_argument("--peer-hf", action="store_true", help="also run transformers' continuous batching (generate_batch)")
+    s.add_argument("--shared-prefix", type=int, default=0, help="tokens of one system prompt every prompt starts with")
+    s.add_argument("--prefix-caching", nargs="+", choices=["on", "off"], default=None,
+                   help="engine runs to report (default: on and off with --shared-prefix, else on)")
     g = sub.add_parser("plot", help="step time vs batch per mode and peer, from bench decode --out files")
     g.add_argument("--inputs", nargs="+", required=True, help="bench decode JSON files")
     g.add_argument("--context", type=int, default=1024, help="the context of the rows to draw")

@@ -9,6 +9,9 @@ The loop is overlapped by default: step N+1 is planned and launched before step 
 read, its decode tokens taking step N's samples on the device (``prev_token_row``), so the host's
 work hides behind the device's. Finish decisions (eos, stop strings, ``max_tokens``) therefore lag
 one step: a request that finished at step N still ran in step N+1, whose token for it is dropped.
+
+With prefix caching (on by default; ``pages.py``) a request's first chunk starts after the longest
+run of cached pages matching its prompt, and its own full prompt pages are cached once launched.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import torch
 
 from ..plan import SeqChunk
 from ..runner import FullGraphRunner
+from .pages import PrefixCache, kv_key
 from .params import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
 from .scheduler import Request, Scheduler
 from .text import RequestText, tokenizer_token_bytes
@@ -69,17 +73,23 @@ class Engine:
         token_bytes, special_token_ids: the bytes of every token id and which are special tokens,
             for structured output without a tokenizer object (e.g. ``vocab.token_bytes`` of a
             tiktoken vocabulary with its str special tokens).
+        enable_prefix_caching: share the KV pages of prompt prefixes between requests by content
+            (``engine.pages``): a request starts after its longest cached prefix. False: every
+            prompt is computed from position 0.
     """
 
     def __init__(self, runner: FullGraphRunner, tokenizer=None, *, eos_token_ids: Iterable[int] = (), seed: int = 0,
                  overlap: bool = True, token_bytes: Sequence[bytes] | None = None,
-                 special_token_ids: Iterable[int] = ()) -> None:
+                 special_token_ids: Iterable[int] = (), enable_prefix_caching: bool = True) -> None:
         if not runner.config.sampling:
             raise ValueError("Engine needs a runner that samples in its graph: FullGraphRunner(model, sampling=True)")
         cfg = runner.config
         self.runner, self.tokenizer, self.overlap = runner, tokenizer, overlap
         self.eos_token_ids = frozenset(int(i) for i in eos_token_ids)
-        self.scheduler = Scheduler(runner.blocks, cfg.block_size, cfg.max_num_seqs, cfg.max_num_tokens)
+        key = kv_key(runner.model, runner.dtype, cfg.block_size)
+        self.prefix_cache = PrefixCache(runner.blocks, cfg.block_size, key) if enable_prefix_caching else None
+        self.scheduler = Scheduler(runner.blocks, cfg.block_size, cfg.max_num_seqs, cfg.max_num_tokens,
+                                   self.prefix_cache)
         self._requests: dict[str, Request] = {}
         self._seeds = np.random.default_rng(seed)
         self._fetch = _Fetch(runner)
@@ -180,6 +190,15 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self._requests) or self._inflight is not None
 
+    def stats(self) -> dict:
+        """Requests, KV pages and the prefix cache: ``prefill_tokens`` (prompt tokens computed),
+        ``prefix_cache_queries`` / ``_hits`` (tokens looked up / found cached, per admission),
+        ``prefix_cache_hit_rate``, ``cached_pages`` (owned or evictable), ``evictable_pages``, ``evictions``."""
+        blocks, sched, cache = self.runner.blocks, self.scheduler, self.prefix_cache
+        return {"running": len(sched.running), "waiting": len(sched.waiting), "prefill_tokens": sched.prefill_tokens,
+                "kv_pages_in_use": blocks.num_blocks - 1 - blocks.num_free, "prefix_caching": cache is not None,
+                **(cache.stats() if cache is not None else PrefixCache.idle_stats())}
+
     # ---- steps -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one step; the outputs of the requests that got a token (see the module docstring)."""
@@ -216,9 +235,12 @@ class Engine:
                                                       ("top_ids", out.top_ids)) if v is not None})
         rows = []
         for slot in slots:
-            slot.request.computed += slot.count
-            slot.request.pending += slot.samples
-            rows.append(slot.request if slot.samples else None)
+            request = slot.request
+            request.computed += slot.count
+            request.pending += slot.samples
+            rows.append(request if slot.samples else None)
+            if request.num_registered < request.num_sealable:  # launched: later steps read its pages written
+                self.prefix_cache.register(request)
         return _Launched(handle, rows)
 
     def _masks(self, slots, values: dict) -> None:
@@ -290,4 +312,4 @@ class Engine:
                                       list(request.logprobs) if request.logprobs is not None else None, delta,
                                       delta_ids)
         return RequestOutput(request.request_id, request.prompt, list(request.prompt_ids), [completion],
-                             request.finished, request.metrics)
+                             request.finished, request.metrics, request.metrics.num_cached_tokens)

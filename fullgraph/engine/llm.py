@@ -27,6 +27,14 @@ def load_tokenizer(path: str | Path):
     path = Path(path)
     if path.suffix == ".gguf":
         return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    # transformers would otherwise guess a tokenizer class from config.json and ask for sentencepiece
+    # or tiktoken, which would not help: say what is missing
+    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model",
+             "vocab.txt", "tokenizer.tiktoken")
+    if path.is_dir() and not any((path / f).is_file() for f in files) and not any(path.glob("*.tiktoken")):
+        raise ValueError(f"{path}: the checkpoint directory has no tokenizer (none of {', '.join(files)}); copy the "
+                         "model's tokenizer files into it, pass tokenizer=<a transformers tokenizer>, or pass "
+                         "tokenizer=None to work in token ids")
     return AutoTokenizer.from_pretrained(path)
 
 
@@ -40,12 +48,14 @@ class LLM:
     ``max_model_len`` defaults to the model's, capped at 4096. Other keyword arguments go to the
     ``FullGraphRunner``. ``llm.engine`` is the ``Engine``, ``llm.runner`` its runner.
     ``structured=True``: requests may carry ``SamplingParams(structured=fg.Structured(...))``.
+    ``enable_prefix_caching`` (on by default, as in vLLM V1): requests share the KV pages of equal
+    prompt prefixes and skip their prefill (``Engine``); False computes every prompt in full.
     """
 
     def __init__(self, model: str | Path | nn.Module, *, tokenizer="auto", dtype: torch.dtype | None = None,
                  device: str | torch.device | None = None, max_num_seqs: int = 64, max_model_len: int | None = None,
                  max_num_tokens: int = 1024, max_logprobs: int = 0, seed: int = 0, eos_token_ids=None,
-                 structured: bool = False, **runner_kwargs) -> None:
+                 structured: bool = False, enable_prefix_caching: bool = True, **runner_kwargs) -> None:
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         eos = set(eos_token_ids or [])
@@ -65,7 +75,8 @@ class LLM:
         self.runner = FullGraphRunner(model, sampling=True, max_logprobs=max_logprobs, structured=structured,
                                       max_num_seqs=max_num_seqs,
                                       max_model_len=max_model_len, max_num_tokens=max_num_tokens, **runner_kwargs)
-        self.engine = Engine(self.runner, tokenizer, eos_token_ids=eos, seed=seed)
+        self.engine = Engine(self.runner, tokenizer, eos_token_ids=eos, seed=seed,
+                             enable_prefix_caching=enable_prefix_caching)
         self.tokenizer = tokenizer
         self._next_id = 0
 

@@ -103,6 +103,7 @@ class RequestMetrics:
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     num_preemptions: int = 0
+    num_cached_tokens: int = 0          # prompt tokens whose KV came from the prefix cache (not computed)
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -117,3 +118,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    num_cached_tokens: int = 0          # vLLM's name: prompt tokens served from the prefix cache

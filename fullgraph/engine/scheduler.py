@@ -4,9 +4,13 @@ Every step runs the running requests' decode tokens first, then fills the token 
 (``max_num_tokens``) with prefill chunks: unfinished prefills of running requests, then waiting
 requests admitted first come, first served, while fewer than ``max_num_seqs`` run. Pages are taken
 from the runner's allocator as positions need them. When a decode needs a page and none is free,
-the most recently admitted running request is preempted: its pages are freed and it waits at the
-head of the queue, to recompute its prompt and outputs later (same greedy tokens). The scheduler
+the most recently admitted running request is preempted: its pages are released and it waits at
+the head of the queue, to recompute its prompt and outputs later (same greedy tokens). The scheduler
 owns every request's pages and positions; the caller never passes them.
+
+With a ``PrefixCache`` (``pages.py``), an admitted request first takes the cached pages of its
+longest cached prefix and starts its first chunk after them; pages are released, not freed, so a
+cached page lives on, evictable, for the next request (or the preempted one, when it resumes).
 
 With the engine's overlapped loop a request's newest token may still be on the device when the
 next step is planned: ``pending`` counts such tokens, and the next step reads them where they lie
@@ -20,6 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..kv_cache import BlockAllocator
+from .pages import PrefixCache
 from .params import RequestMetrics, SamplingParams
 from .text import RequestText
 
@@ -43,6 +48,9 @@ class Request:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     matcher: object = None            # structured output: the grammar state (engine.structured.Matcher)
+    page_hashes: list[bytes] = field(default_factory=list)  # prefix cache: chained hashes of its full known pages
+    num_registered: int = 0           # leading pages the prefix cache has dealt with (taken from it, or sealed)
+    num_sealable: int = 0             # full pages of the tokens known at admission: those it may seal
 
     @property
     def length(self) -> int:
@@ -75,9 +83,11 @@ class Slot:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockAllocator, block_size: int, max_num_seqs: int, max_num_tokens: int) -> None:
-        self.blocks, self.block_size = blocks, block_size
+    def __init__(self, blocks: BlockAllocator, block_size: int, max_num_seqs: int, max_num_tokens: int,
+                 cache: PrefixCache | None = None) -> None:
+        self.blocks, self.block_size, self.cache = blocks, block_size, cache
         self.max_num_seqs, self.max_num_tokens = max_num_seqs, max_num_tokens
+        self.prefill_tokens = 0           # prompt tokens computed (a cache hit skips them; a recompute counts again)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._order = itertools.count()
@@ -86,7 +96,7 @@ class Scheduler:
         self.waiting.append(request)
 
     def remove(self, request: Request) -> None:
-        """Drop a finished or aborted request and free its pages (safe while a launched step still
+        """Drop a finished or aborted request and release its pages (safe while a launched step still
         uses them: every later step runs after it on the device)."""
         if request in self.running:
             self.running.remove(request)
@@ -96,9 +106,9 @@ class Scheduler:
 
     def _free(self, request: Request) -> None:
         if request.blocks:
-            self.blocks.free(request.blocks)
+            self.blocks.release(request.blocks[::-1])  # its tail is evicted before the prefix others share
         request.blocks = []
-        request.computed = 0
+        request.computed = request.num_registered = 0
 
     def _ensure_pages(self, request: Request, end: int) -> bool:
         """Pages covering positions ``< end`` (False, taking none, if too few are free)."""
@@ -139,13 +149,33 @@ class Scheduler:
             budget = self._prefill(request, budget, slots)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            if request.pending or not self._ensure_pages(request, min(request.length, request.computed + budget)):
+            if request.pending or not self._admit(request, budget):
                 break
             self.waiting.popleft()
             request.order = next(self._order)
             self.running.append(request)
             budget = self._prefill(request, budget, slots)
         return slots
+
+    def _admit(self, request: Request, budget: int) -> bool:
+        """Give a waiting request its cached prefix (shared pages) and the pages of its first chunk
+        (False, taking nothing, if too few are free)."""
+        if self.cache is None:
+            return self._ensure_pages(request, min(request.length, request.computed + budget))
+        hits = self.cache.match(request)
+        start = min(len(hits) * self.block_size, request.length - 1)
+        need = -(-min(request.length, start + budget) // self.block_size) - len(hits)
+        revived = int((self.blocks.owners(hits) == 0).sum())  # evictable pages: counted in num_free
+        if need + revived > self.blocks.num_free:
+            return False
+        self.blocks.share(hits)
+        request.blocks.extend(hits)
+        request.blocks.extend(self.blocks.allocate(need))
+        request.computed = start
+        self.cache.admitted(request, len(hits))
+        if not request.metrics.num_preemptions:  # the prompt tokens served from the cache, as first admitted
+            request.metrics.num_cached_tokens = start
+        return True
 
     def _prefill(self, request: Request, budget: int, slots: list[Slot]) -> int:
         """A chunk of ``request``'s remaining prompt (and, after preemption, its outputs)."""
@@ -154,4 +184,6 @@ class Scheduler:
         if count <= 0 or not self._ensure_pages(request, request.computed + count):
             return budget
         slots.append(Slot(request, request.computed, count, -1, count == todo))
+        # its prompt tokens; one left for the decode loop (a chunk ending just short of it) counts now
+        self.prefill_tokens += max(0, min(count + (count == todo - 1), len(request.prompt_ids) - request.computed))
         return budget - count
