@@ -138,6 +138,45 @@ def probe() -> None:
     phase("rms_norm -> gather, graph", norm_then_gather_graph)
 
 
+def trace() -> None:
+    """toy-llama, triton, padded: the first steps with every operator's tensors printed (address
+    range, shape, strides), so a finding's address names the tensor and the operator that made it."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import fullgraph as fg
+
+    def span(t):
+        if not isinstance(t, torch.Tensor) or t.device.type != "cuda":
+            return None
+        end = t.data_ptr() + max(0, sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * t.element_size()
+        return f"{t.data_ptr():#x}-{end + t.element_size():#x} {tuple(t.shape)} {t.stride()} {str(t.dtype)[6:]}"
+
+    class Trace(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            flat = torch.utils._pytree.tree_leaves((args, kwargs or {}))
+            outs = torch.utils._pytree.tree_leaves(out)
+            print(f"trace: {func} out {[span(t) for t in outs if span(t)]} in {[span(t) for t in flat if span(t)]}",
+                  flush=True)
+            return out
+
+    model = fg.models.Llama(fg.models.LlamaConfig.toy(), dtype=torch.bfloat16, device="cuda")
+    runner = fg.FullGraphRunner(model, attention="triton", cudagraph="padded", max_num_seqs=8, max_num_tokens=128,
+                                max_model_len=320, capture_sizes=(4, 16, 64, 128))
+    runner.warmup()
+    torch.cuda.synchronize()
+    gen = torch.Generator().manual_seed(0)
+    reqs = [runner.blocks.allocate(20) for _ in range(4)]
+    steps = [[(20, 0, 0), (9, 0, 1), (21, 0, 2)], [(5, 20, 0), (1, 9, 1), (3, 0, 3)]]
+    for i, step in enumerate(steps):
+        print(f"driver: trace step {i}", flush=True)
+        with Trace():
+            runner.step([fg.SeqChunk(torch.randint(1, 500, (n,), generator=gen).tolist(), pos, reqs[r])
+                         for n, pos, r in step])
+            torch.cuda.synchronize()
+
+
 def sanitizer() -> str:
     found = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
     if not Path(found).exists():
@@ -185,12 +224,13 @@ def main() -> int:
     parser.add_argument("--timeout", type=int, default=900, help="seconds per tool")
     parser.add_argument("--quick", action="store_true", help="toy-llama and toy Phi-3-Small on the triton backend only")
     parser.add_argument("--probe", action="store_true", help="isolated producer -> consumer pairs instead")
+    parser.add_argument("--trace", action="store_true", help=argparse.SUPPRESS)  # with --driver: trace()
     parser.add_argument("--only", default=None, help="run only the driver phases whose 'model backend mode' "
                                                      "contains this text (e.g. 'toy-llama triton padded')")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
     if args.driver:
-        probe() if args.probe else drive(args.quick, args.only)
+        trace() if args.trace else probe() if args.probe else drive(args.quick, args.only)
         return 0
     driver_args = ["--quick"] * args.quick + ["--probe"] * args.probe + (["--only", args.only] if args.only else [])
     results = [run_tool(tool, args.timeout, driver_args) for tool in args.tools]
