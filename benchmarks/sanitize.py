@@ -92,14 +92,14 @@ def probe() -> None:
         fn()
         torch.cuda.synchronize()
 
-    cos, sin = randn(64, 8, dtype=torch.float32), randn(64, 8, dtype=torch.float32)
+    cos, sin = randn(128, 8, dtype=torch.float32), randn(128, 8, dtype=torch.float32)
     pos = torch.arange(64, device="cuda")
 
-    def gemm_then_rope(dtype):
+    def gemm_then_rope(dtype, m=64):
         def run():
-            qkv = F.linear(randn(64, 64, dtype=dtype), randn(128, 64, dtype=dtype))    # cuBLAS
+            qkv = F.linear(randn(m, 64, dtype=dtype), randn(128, 64, dtype=dtype))    # cuBLAS
             q, k, _ = qkv.split((64, 32, 32), dim=-1)
-            kernels.rope(q.view(64, 4, 16), k.view(64, 2, 16), pos, cos, sin)
+            kernels.rope(q.view(m, 4, 16), k.view(m, 2, 16), torch.arange(m, device="cuda"), cos, sin)
         return run
 
     def gemm_then_torch():
@@ -132,6 +132,8 @@ def probe() -> None:
 
     phase("cublas-bf16 -> rope", gemm_then_rope(torch.bfloat16))
     phase("cublas-fp32 -> rope", gemm_then_rope(torch.float32))
+    for m in (4, 16, 128):
+        phase(f"cublas-bf16 M={m} -> rope", gemm_then_rope(torch.bfloat16, m))
     phase("cublas-bf16 -> torch", gemm_then_torch)
     phase("copy -> rope", fill_then_rope)
     phase("rms_norm -> gather", norm_then_gather)
