@@ -4,11 +4,13 @@
 #   capture-ahead compile compile-time final
 #   baseline (decode rows of the tree in .base/, e.g. `git archive <commit> fullgraph | tar -x -C .base`, beside ours)
 #   peers (the decode table beside a naive whole-model graph and reduce-overhead) window serve engine (sampling, mask) sanitize
+#   sanitize-probe (initcheck: producer -> consumer pairs; toy-llama with PDL on and off) long (100K tokens through fg.LLM)
+#   mask (structured output on the GPU; TOKENIZER=dir for the vocabulary) capture-cold (empty Triton caches, ahead and serial)
 # Logs and JSON land in $OUT (or ./out); each part has its own time limit so a call stays bounded.
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-export PYTHONPATH=. PYTHONUNBUFFERED=1
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 
 run() {  # run NAME LIMIT_S CMD...: tee to $OUT/NAME.log, report status and seconds
@@ -61,6 +63,28 @@ sanitize)  # quick: triton and block-sparse kernels, with programmatic dependent
     run sanitize 200 python3 benchmarks/sanitize.py --quick --tools initcheck memcheck --timeout 90 --out "$OUT/sanitize.json"
     FULLGRAPH_PDL=0 run sanitize_nopdl 120 python3 benchmarks/sanitize.py --quick --tools initcheck --timeout 100 \
         --out "$OUT/sanitize_nopdl.json"
+    ;;
+sanitize-probe)
+    run sanitize_probe 200 python3 benchmarks/sanitize.py --probe --tools initcheck --timeout 180 --out "$OUT/sanitize_probe.json"
+    for pdl in 1 0; do
+        FULLGRAPH_PDL=$pdl run "sanitize_llama_pdl$pdl" 200 python3 benchmarks/sanitize.py --only "toy-llama triton" \
+            --tools initcheck --timeout 180 --out "$OUT/sanitize_llama_pdl$pdl.json"
+    done
+    ;;
+long)
+    run long_context 300 python3 benchmarks/long_context.py --out "$OUT/long_context.json"
+    ;;
+mask)
+    run mask_gpu 240 python3 benchmarks/bench_mask.py ${TOKENIZER:+--tokenizer "$TOKENIZER"} --out "$OUT/mask_gpu.json"
+    ;;
+capture-cold)  # every default size on an empty Triton cache: compiled ahead, then serially (per-kernel compile seconds)
+    for preset in phi3-small-8k llama-1b; do
+        for workers in 16 0; do
+            cache=$(mktemp -d)
+            TRITON_CACHE_DIR=$cache FULLGRAPH_COMPILE_WORKERS=$workers run "capture_${preset}_w$workers" 150 \
+                python3 benchmarks/capture_breakdown.py --preset $preset --out "$OUT/capture_${preset}_w$workers.json"
+        done
+    done
     ;;
 sanitize-all)
     run sanitize_all 580 python3 benchmarks/sanitize.py --timeout 140 --out "$OUT/sanitize_all.json"

@@ -1,13 +1,17 @@
 """compute-sanitizer over every kernel and step kind: one table of findings, exit 1 on any.
 
     python benchmarks/sanitize.py [--tools memcheck initcheck racecheck synccheck] [--out sanitize.json]
+    python benchmarks/sanitize.py --probe --tools initcheck      # isolated producer -> consumer pairs
 
 Runs this same file with ``--driver`` under each tool. The driver steps toy-llama (every backend
 the device has) and toy Phi-3-Small (block-sparse + dense) in bf16: padded mode, then captured
 graphs (capture included) and their replays; each with a mixed step padded to 64 tokens, one
 padded to 16, a chunked prefill with cached context, a decode padded to 4, a split-KV decode at
 long context, and one ``compile=True`` step. The table gives tool x kernel x count with the first
-source line of each. It needs a CUDA GPU and ``compute-sanitizer`` (CUDA's, or on PATH).
+source line of each, and per driver phase (``driver: ...`` lines) where the findings fell.
+``--probe`` runs small producer -> consumer pairs instead (cuBLAS or our Triton kernels writing,
+ours or PyTorch's reading; eager and in a CUDA graph), each its own phase, to tell a finding of
+the code from one of the tool. It needs a CUDA GPU and ``compute-sanitizer`` (CUDA's, or on PATH).
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ _AT = re.compile(r"^=========\s+at (?:0x[0-9a-f]+ in )?([^\s+]+)(?:\+0x[0-9a-f]+
 _SUMMARY = re.compile(r"(?:ERROR|RACECHECK) SUMMARY: (\d+)")
 
 
-def drive(quick: bool) -> None:
+def drive(quick: bool, only: str | None = None) -> None:
     import torch
 
     import fullgraph as fg
@@ -58,15 +62,121 @@ def drive(quick: bool) -> None:
         backends = ["sdpa", "triton", "flash"] if name == "toy-llama" else ["sdpa", "triton"]
         for backend in backends[1:2] if quick else backends:
             for mode in ("padded", "full"):
+                if only and only not in f"{name} {backend} {mode}":
+                    continue
                 print(f"driver: {name} {backend} {mode}", flush=True)
                 steps(fg.FullGraphRunner(model, attention=backend, cudagraph=mode, **limits))
-        if quick:
+        if quick or only:
             continue
         runner = fg.FullGraphRunner(model, attention="triton", cudagraph="full", compile=True, **limits)
         print(f"driver: {name} triton full compile", flush=True)
         ids = runner.blocks.allocate(4)
         runner.step([fg.SeqChunk([1, 2, 3], 0, ids)])
         torch.cuda.synchronize()
+
+
+def probe() -> None:
+    """Producer -> consumer pairs, one phase each (see the module docstring)."""
+    import torch
+    import torch.nn.functional as F
+
+    from fullgraph import kernels
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=gen, device="cuda").to(dtype)
+
+    def phase(name, fn):
+        print(f"driver: probe {name}", flush=True)
+        fn()
+        torch.cuda.synchronize()
+
+    cos, sin = randn(128, 8, dtype=torch.float32), randn(128, 8, dtype=torch.float32)
+    pos = torch.arange(64, device="cuda")
+
+    def gemm_then_rope(dtype, m=64):
+        def run():
+            qkv = F.linear(randn(m, 64, dtype=dtype), randn(128, 64, dtype=dtype))    # cuBLAS
+            q, k, _ = qkv.split((64, 32, 32), dim=-1)
+            kernels.rope(q.view(m, 4, 16), k.view(m, 2, 16), torch.arange(m, device="cuda"), cos, sin)
+        return run
+
+    def gemm_then_torch():
+        qkv = F.linear(randn(64, 64), randn(128, 64))
+        (qkv[:, :64].float() * 2).sum()
+
+    def fill_then_rope():
+        qkv = torch.empty(64, 128, dtype=torch.bfloat16, device="cuda")
+        qkv.copy_(randn(64, 128))                                                    # a PyTorch kernel writes
+        q, k, _ = qkv.split((64, 32, 32), dim=-1)
+        kernels.rope(q.view(64, 4, 16), k.view(64, 2, 16), pos, cos, sin)
+
+    def norm_then_gather():
+        y = kernels.rms_norm(randn(64, 64), randn(64), 1e-5)                          # Triton writes
+        y[torch.tensor([3, 9, 63], device="cuda")].sum()                              # PyTorch gathers
+
+    def norm_then_gather_graph():
+        x, w, idx = randn(64, 64), randn(64), torch.tensor([3, 9, 63], device="cuda")
+        out = torch.empty(3, 64, dtype=torch.bfloat16, device="cuda")
+
+        def step():
+            out.copy_(kernels.rms_norm(x, w, 1e-5)[idx])
+        step()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        for _ in range(2):
+            graph.replay()
+
+    phase("cublas-bf16 -> rope", gemm_then_rope(torch.bfloat16))
+    phase("cublas-fp32 -> rope", gemm_then_rope(torch.float32))
+    for m in (4, 16, 128):
+        phase(f"cublas-bf16 M={m} -> rope", gemm_then_rope(torch.bfloat16, m))
+    phase("cublas-bf16 -> torch", gemm_then_torch)
+    phase("copy -> rope", fill_then_rope)
+    phase("rms_norm -> gather", norm_then_gather)
+    phase("rms_norm -> gather, graph", norm_then_gather_graph)
+
+
+def trace() -> None:
+    """toy-llama, triton, padded: the first steps with every operator's tensors printed (address
+    range, shape, strides), so a finding's address names the tensor and the operator that made it."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import fullgraph as fg
+
+    def span(t):
+        if not isinstance(t, torch.Tensor) or t.device.type != "cuda":
+            return None
+        end = t.data_ptr() + max(0, sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * t.element_size()
+        return f"{t.data_ptr():#x}-{end + t.element_size():#x} {tuple(t.shape)} {t.stride()} {str(t.dtype)[6:]}"
+
+    class Trace(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            flat = torch.utils._pytree.tree_leaves((args, kwargs or {}))
+            outs = torch.utils._pytree.tree_leaves(out)
+            print(f"trace: {func} out {[span(t) for t in outs if span(t)]} in {[span(t) for t in flat if span(t)]}",
+                  flush=True)
+            return out
+
+    model = fg.models.Llama(fg.models.LlamaConfig.toy(), dtype=torch.bfloat16, device="cuda")
+    runner = fg.FullGraphRunner(model, attention="triton", cudagraph="padded", max_num_seqs=8, max_num_tokens=128,
+                                max_model_len=320, capture_sizes=(4, 16, 64, 128))
+    runner.warmup()
+    torch.cuda.synchronize()
+    gen = torch.Generator().manual_seed(0)
+    reqs = [runner.blocks.allocate(20) for _ in range(4)]
+    steps = [[(20, 0, 0), (9, 0, 1), (21, 0, 2)], [(5, 20, 0), (1, 9, 1), (3, 0, 3)]]
+    for i, step in enumerate(steps):
+        print(f"driver: trace step {i}", flush=True)
+        with Trace():
+            runner.step([fg.SeqChunk(torch.randint(1, 500, (n,), generator=gen).tolist(), pos, reqs[r])
+                         for n, pos, r in step])
+            torch.cuda.synchronize()
 
 
 def sanitizer() -> str:
@@ -76,9 +186,9 @@ def sanitizer() -> str:
     return found
 
 
-def run_tool(tool: str, timeout: int, quick: bool) -> dict:
+def run_tool(tool: str, timeout: int, driver_args: list[str]) -> dict:
     cmd = [sanitizer(), "--tool", tool, "--print-limit", "2000", "--target-processes", "all", sys.executable,
-           __file__, "--driver"] + (["--quick"] if quick else [])
+           __file__, "--driver"] + driver_args
     if tool == "memcheck":
         cmd[1:1] = ["--leak-check", "no"]
     start = time.perf_counter()
@@ -87,21 +197,25 @@ def run_tool(tool: str, timeout: int, quick: bool) -> dict:
         out, rc = done.stdout + done.stderr, done.returncode
     except subprocess.TimeoutExpired as err:
         out, rc = (err.stdout or b"").decode() + (err.stderr or b"").decode(), -1
-    kernels, first, kinds = Counter(), {}, defaultdict(Counter)
-    lines = out.splitlines()
+    kernels, first, kinds, phases = Counter(), {}, defaultdict(Counter), defaultdict(Counter)
+    lines, phase = out.splitlines(), "start"
     for i, line in enumerate(lines):
+        if line.startswith("driver: "):
+            phase = line[len("driver: "):].strip()
         head = _HEADER.match(line)
         if not head:
             continue
         at = next((_AT.match(l) for l in lines[i + 1: i + 4] if _AT.match(l)), None)
         kernel = at.group(1) if at else "?"
         kernels[kernel] += 1
+        phases[phase][kernel[:60]] += 1
         kinds[kernel][head.group(1).strip()[:60]] += 1
         first.setdefault(kernel, (at.group(2) if at and at.group(2) else "?"))
     total = sum(int(m.group(1)) for m in _SUMMARY.finditer(out))
     first_block = "\n".join([l for l in lines if l.startswith("=========")][:40])
     return {"tool": tool, "total": total, "rc": rc, "seconds": time.perf_counter() - start, "kernels": dict(kernels),
             "first_line": first, "kinds": {k: dict(v) for k, v in kinds.items()}, "first_block": first_block,
+            "phases": {k: dict(v) for k, v in phases.items()},
             "tail": "\n".join(l for l in lines if not l.startswith("=========") and "driver:" not in l)[-1500:]}
 
 
@@ -111,12 +225,17 @@ def main() -> int:
     parser.add_argument("--tools", nargs="+", default=list(TOOLS), choices=TOOLS)
     parser.add_argument("--timeout", type=int, default=900, help="seconds per tool")
     parser.add_argument("--quick", action="store_true", help="toy-llama and toy Phi-3-Small on the triton backend only")
+    parser.add_argument("--probe", action="store_true", help="isolated producer -> consumer pairs instead")
+    parser.add_argument("--trace", action="store_true", help=argparse.SUPPRESS)  # with --driver: trace()
+    parser.add_argument("--only", default=None, help="run only the driver phases whose 'model backend mode' "
+                                                     "contains this text (e.g. 'toy-llama triton padded')")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
     if args.driver:
-        drive(args.quick)
+        trace() if args.trace else probe() if args.probe else drive(args.quick, args.only)
         return 0
-    results = [run_tool(tool, args.timeout, args.quick) for tool in args.tools]
+    driver_args = ["--quick"] * args.quick + ["--probe"] * args.probe + (["--only", args.only] if args.only else [])
+    results = [run_tool(tool, args.timeout, driver_args) for tool in args.tools]
     print(f"{'tool':<10} {'findings':>9} {'kernel':<40} {'count':>7}  first source line")
     for r in results:
         if not r["kernels"]:
@@ -126,6 +245,9 @@ def main() -> int:
                   f"  {list(r['kinds'][kernel])[:2]}")
         if r["rc"] not in (0,) and not r["kernels"]:
             print(f"           driver output: {r['tail'][-600:]}")
+    for r in results:  # where they fell
+        for phase, found in r["phases"].items():
+            print(f"{r['tool']:<10} in {phase}: " + ", ".join(f"{k} x{n}" for k, n in found.items()))
     for r in results:  # the first findings in full, to locate them
         if r["kernels"]:
             print(f"--- {r['tool']}: first findings ---\n{r['first_block']}")

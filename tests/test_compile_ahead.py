@@ -21,6 +21,15 @@ class _FakeJit:
         self.calls.append(("warmup", grid, args, kwargs))
 
 
+def test_outputs_of_kernels_compiled_ahead_are_zeros_not_uninitialised_memory(monkeypatch):
+    """Under compile_ahead a kernel only compiles; torch's operators after it read its output
+    (compute-sanitizer's initcheck flagged each read of the garbage)."""
+    assert ahead.output((4, 3), torch.float32, torch.device("cpu")).shape == (4, 3)
+    monkeypatch.setattr(ahead, "_active", True)
+    out = ahead.output((4, 16), torch.bfloat16, torch.device("cpu"))
+    assert out.dtype == torch.bfloat16 and out.shape == (4, 16) and bool((out == 0).all())
+
+
 def test_kernel_launches_normally_and_only_compiles_when_active(monkeypatch):
     fake = _FakeJit()
     k = ahead.kernel(fake)

@@ -52,7 +52,7 @@ def _launch(u: torch.Tensor, gegelu: bool, limit: float) -> torch.Tensor:
     num_rows, width = u.shape
     if u.stride(-1) != 1 or width % 2:
         raise ValueError(f"gated activation: u {tuple(u.shape)} needs an even width and unit column stride")
-    out = torch.empty((num_rows, width // 2), dtype=u.dtype, device=u.device)
+    out = compile_ahead.output((num_rows, width // 2), u.dtype, u.device)
     if num_rows:
         _gated_kernel[(num_rows, triton.cdiv(width // 2, BLOCK))](
             u, out, width // 2, limit, u.stride(0), GEGELU=gegelu, BLOCK=BLOCK, num_warps=4, **pdl.options(u))

@@ -163,7 +163,7 @@ def _launch_decode(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tens
     num_reqs, num_heads, head_dim = q.shape
     page_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = num_heads // num_kv_heads
-    out = torch.empty_like(q)
+    out = compile_ahead.output(q.shape, q.dtype, q.device)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     _blocksparse_decode_kernel[(num_kv_heads, num_splits, num_reqs)](
         q, k_cache, v_cache, out, partial_out, partial_ml, seq_lens, block_table, counts, entries,

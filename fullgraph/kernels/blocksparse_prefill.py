@@ -203,7 +203,7 @@ def _launch_prefill(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     num_reqs = seq_lens.shape[0]
     page_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     block = min(sparse_block_size, 64)
-    out = torch.empty_like(q)
+    out = compile_ahead.output(q.shape, q.dtype, q.device)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     grid = (num_heads, num_tokens // block + 2 * num_reqs)
     if grid[1] > 65535:

@@ -13,8 +13,8 @@ signature: 3 s of first loads for Phi-3-Small, serially, on a cold cache). Measu
 11.5 s compiled ahead; on a warm cache 9.4 s and 8.3 s.
 
 A run under :func:`compile_ahead` launches none of these kernels, so everything they would write
-keeps its old contents (the KV cache included) and their outputs are garbage: it exists only to
-collect the variants. Shapes never depend on kernel outputs in a capture-safe step, so such a run
+keeps its old contents (the KV cache included) and their outputs (allocated by :func:`output`)
+are zeros: it exists only to collect the variants. Shapes never depend on kernel outputs in a capture-safe step, so such a run
 reaches every launch a real one does. Torch's own operators in it do run.
 
 Off (a plain serial compile at the first launch, as Triton does) on CPU, under
@@ -76,6 +76,13 @@ def _arg_key(a):
     if isinstance(a, torch.Tensor):
         return a.dtype, a.data_ptr() % 16 == 0
     return a
+
+
+def output(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A new tensor for a kernel's output: ``torch.empty``, except inside :func:`compile_ahead`,
+    where the kernel only compiles and torch's operators after it would read its contents
+    (compute-sanitizer's initcheck counted every such read): zeros there."""
+    return (torch.zeros if _active else torch.empty)(shape, dtype=dtype, device=device)
 
 
 def kernel(fn) -> Kernel:

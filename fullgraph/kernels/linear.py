@@ -119,7 +119,7 @@ def launch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, activation:
         raise ValueError(f"linear: x {tuple(x.shape)} (unit column stride), w {tuple(w.shape)} contiguous with "
                          f"{k} columns, b (N,) or None; got w strides {w.stride()}, b "
                          f"{None if b is None else tuple(b.shape)}")
-    out = torch.empty((m, n if activation == "none" else n // 2), dtype=x.dtype, device=x.device)
+    out = compile_ahead.output((m, n if activation == "none" else n // 2), x.dtype, x.device)
     if m == 0:
         return out
     block_n, block_k, num_warps = config or launch_config(n)

@@ -58,8 +58,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ep
     if x.stride(-1) != 1 or (residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1)):
         raise ValueError(f"norm: x {tuple(x.shape)} and residual need equal shapes and unit stride "
                          "along the last dim")
-    y = torch.empty((num_rows, n_cols), dtype=x.dtype, device=x.device)
-    h = torch.empty_like(y) if residual is not None else y
+    y = compile_ahead.output((num_rows, n_cols), x.dtype, x.device)
+    h = compile_ahead.output(y.shape, y.dtype, y.device) if residual is not None else y
     if num_rows:
         _norm_kernel[(num_rows,)](
             x, residual if residual is not None else x, weight, bias if bias is not None else weight, y, h,

@@ -302,7 +302,7 @@ def _paged_attention_op(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc
     num_tiles = num_reqs if decode_only else num_tokens // block_q + num_reqs + 1
     sliding = 0 < window < max_blocks * page_size   # a wider window masks nothing: the plain kernel
     q = q if q.stride(-1) == 1 else q.contiguous()
-    out = q.new_empty(q.shape)                                   # (T, H, D)
+    out = compile_ahead.output(q.shape, q.dtype, q.device)       # (T, H, D)
     _paged_attention_kernel[(num_tiles * num_kv_heads, num_splits)](
         out, q, kv_cache, query_start_loc, seq_lens, block_table, part_out, part_lse,
         num_tokens, num_reqs, num_tiles, num_kv_heads, max_blocks * page_size, window if sliding else 0, scale * LOG2E,

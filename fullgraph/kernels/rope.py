@@ -77,8 +77,8 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.T
         raise ValueError(f"rope: q {tuple(q.shape)}, k {tuple(k.shape)}, positions {tuple(positions.shape)}, "
                          f"cos {tuple(cos.shape)}: need (T, H, D) or (T, KVH, G, D), (T, KVH, D), (T,), (P, D/2), "
                          "unit stride on D")
-    q_out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
-    k_out = torch.empty((num_tokens, k.shape[1], head_dim), dtype=k.dtype, device=k.device)
+    q_out = compile_ahead.output((num_tokens, num_q_heads, head_dim), q.dtype, q.device)
+    k_out = compile_ahead.output((num_tokens, k.shape[1], head_dim), k.dtype, k.device)
     if num_tokens:
         _rope_kernel[(num_tokens,)](
             q, k, positions, cos, sin, q_out, k_out, num_q_heads, k.shape[1], q_group,

@@ -79,7 +79,7 @@ def _rope_kv_write_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     grouped = query.dim() == 4
     num_tokens, head_dim = query.shape[0], query.shape[-1]
     num_q_heads = query.shape[1] * query.shape[2] if grouped else query.shape[1]
-    q_out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=query.dtype, device=query.device)
+    q_out = compile_ahead.output((num_tokens, num_q_heads, head_dim), query.dtype, query.device)
     if num_tokens == 0:
         return q_out
     _, _, page_size, num_kv_heads, _ = kv_cache.shape

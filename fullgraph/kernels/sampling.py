@@ -223,7 +223,7 @@ def launch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     knobs (tests shrink them to reach every path on small vocabularies); a ``workspace`` dict
     receives the intermediate tensors (``zones``: see ``_level_zones``). Capture-safe."""
     rows, vocab = logits.shape
-    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    out = compile_ahead.output(rows, torch.int64, logits.device)
     if rows == 0:
         return out
     if logits.stride(-1) != 1:
