@@ -38,14 +38,17 @@ def _split_kv_reduce_kernel(
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, HEAD_DIM_PAD)
     s_ok = s < NUM_SPLITS
-    rows = ((req * NUM_SPLITS + s) * num_heads + head).to(tl.int64)
-    lse = tl.load(part_lse_ptr + rows, mask=s_ok, other=float("-inf"))
-    top = tl.max(lse, 0)
+    rows = ((req * NUM_SPLITS + s) * num_heads + head).to(tl.int64)[:, None]
+    # Everything is a (SPLITS_PAD, D_PAD) tile, each split's lse read along its row: a 1-D lse
+    # broadcast into the tile needed a layout conversion through shared memory in which threads
+    # holding replicated values wrote the same words (compute-sanitizer's racecheck reported it).
+    lse = tl.load(part_lse_ptr + rows + 0 * d[None, :], mask=s_ok[:, None], other=float("-inf"))
+    top = tl.max(lse, 0)[None, :]
     w = tl.math.exp2(lse - tl.where(top == float("-inf"), 0.0, top))          # 0 for empty splits
-    parts = tl.load(part_out_ptr + rows[:, None] * HEAD_DIM_PAD + d[None, :],
-                    mask=(s_ok & (w > 0))[:, None], other=0.0)                 # (SPLITS_PAD, D_PAD)
+    parts = tl.load(part_out_ptr + rows * HEAD_DIM_PAD + d[None, :], mask=s_ok[:, None] & (w > 0),
+                    other=0.0)                                                 # (SPLITS_PAD, D_PAD)
     total = tl.sum(w, 0)
-    merged = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    merged = tl.sum(parts * w, 0) / tl.where(total > 0, total, 1.0)
     o_ptrs = out_ptr + req.to(tl.int64) * stride_ot + head * stride_oh + d
     tl.store(o_ptrs, merged.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
