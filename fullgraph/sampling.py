@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 try:
-    from .kernels import sampling as _kernel  # noqa: F401  (registers torch.ops.fullgraph.sample)
+    from .kernels import sampling as _kernel
 except ImportError:  # no Triton (e.g. macOS): the reference everywhere
     _kernel = None
 
@@ -129,7 +129,7 @@ def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, mi
     if logits.is_cuda and _kernel is not None:
         _check(logits, dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds,
                             offsets=offsets))
-        return torch.ops.fullgraph.sample(logits, temperature, top_k, top_p, min_p, seeds, offsets)
+        return _kernel.sample(logits, temperature, top_k, top_p, min_p, seeds, offsets)
     return sample_reference(logits, temperature, top_k, top_p, min_p, seeds, offsets)
 
 

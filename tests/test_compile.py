@@ -89,3 +89,46 @@ def test_recompile_after_warmup_raises_in_strict_mode_and_logs_otherwise(twin, s
             assert any("recompiled after warm-up" in r.message for r in caplog.records)
     finally:
         runner.model.layers[0].self_attn.attn.scale /= 1.5
+
+
+def test_custom_ops_are_the_registered_op_when_compiled_and_the_function_when_eager():
+    """``_compat.custom_op``: eager calls skip the dispatcher (host time, and no torch._dynamo import
+    at the first call); torch.compile and dispatch modes see the one registered op."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fullgraph._compat import custom_op
+
+    calls = []
+
+    @custom_op("fullgraph_test::scale2", mutates_args=())
+    def scale2(x: torch.Tensor) -> torch.Tensor:
+        calls.append(torch.compiler.is_compiling())
+        return x * 2
+
+    @scale2.register_fake
+    def _(x):
+        return torch.empty_like(x)
+
+    class Seen(TorchDispatchMode):
+        ops: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(5)
+    torch.testing.assert_close(scale2(x), x * 2)
+    with Seen():
+        torch.testing.assert_close(scale2(x), x * 2)
+    assert Seen.ops[0] == "fullgraph_test.scale2.default"
+    targets = []
+
+    def backend(gm, inputs):
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda t: scale2(t) + 1, backend=backend, fullgraph=True)
+    torch.testing.assert_close(compiled(x), x * 2 + 1)
+    assert any("fullgraph_test.scale2" in t for t in targets), targets
+    assert scale2.op is not scale2 and calls[0] is False

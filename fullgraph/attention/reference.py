@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from .._compat import custom_op
 
 # (query positions (R, Qm, 1), key positions (1, 1, L)) -> keep mask, (R, Qm, L) or (R, H, Qm, L)
 KeepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -23,7 +24,7 @@ def write_index(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return slot_mapping.clamp(min=0), slot_mapping >= 0                  # (T,) int64, (T,) bool
 
 
-@torch.library.custom_op("fullgraph::write_kv_indexed", mutates_args=("kv_cache",))
+@custom_op("fullgraph::write_kv_indexed", mutates_args=("kv_cache",))
 def write_kv_indexed(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, safe: torch.Tensor,
                      valid: torch.Tensor) -> None:
     """Write new keys/values at ``safe`` where ``valid``; elsewhere the cache stays byte-identical.
@@ -46,7 +47,7 @@ def _(kv_cache, k, v, safe, valid):
     return None
 
 
-@torch.library.custom_op("fullgraph::write_kv_reference", mutates_args=("kv_cache",))
+@custom_op("fullgraph::write_kv_reference", mutates_args=("kv_cache",))
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write new keys/values at their slots; a slot of -1 leaves the cache byte-identical.
 
@@ -136,7 +137,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     return torch.where(real[:, None, None], out, out.new_zeros(())).to(q.dtype)  # padding rows: zeros
 
 
-@torch.library.custom_op("fullgraph::paged_attention_reference", mutates_args=())
+@custom_op("fullgraph::paged_attention_reference", mutates_args=())
 def paged_attention_op(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                        seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, decode_only: bool,
                        sparse: list[int] | None = None, window: int = 0) -> torch.Tensor:
@@ -206,7 +207,7 @@ def _key_slots(seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: in
     return torch.where(visible, slots, newest)
 
 
-@torch.library.custom_op("fullgraph::reference_decode_index", mutates_args=())
+@custom_op("fullgraph::reference_decode_index", mutates_args=())
 def decode_index(seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: int, num_kv_heads: int,
                  num_slots: int, dtype: torch.dtype, gather: str, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-step gather index and additive bias for :func:`decode_attention_op`.
@@ -302,7 +303,7 @@ _DECODE_ATTENTION = {"matmul": _attend_matmul, "matmul_keys": _attend_matmul_key
 DECODE_ATTENTIONS = tuple(_DECODE_ATTENTION)
 
 
-@torch.library.custom_op("fullgraph::paged_decode_reference", mutates_args=())
+@custom_op("fullgraph::paged_decode_reference", mutates_args=())
 def decode_attention_op(q: torch.Tensor, kv_cache: torch.Tensor, index: torch.Tensor, bias: torch.Tensor,
                         scale: float, gather: str, attention: str) -> torch.Tensor:
     """Decode attention (one new token per request) over the keys of :func:`decode_index`.

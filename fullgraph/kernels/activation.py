@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from . import compile_ahead, pdl
+from .._compat import custom_op
 
 BLOCK = 1024
 
@@ -59,7 +60,7 @@ def _launch(u: torch.Tensor, gegelu: bool, limit: float) -> torch.Tensor:
     return out
 
 
-@torch.library.custom_op("fullgraph::silu_and_mul", mutates_args=())
+@custom_op("fullgraph::silu_and_mul", mutates_args=())
 def silu_and_mul(u: torch.Tensor) -> torch.Tensor:
     """SwiGLU on a fused [gate | up] projection: (T, 2I) -> (T, I)."""
     return _launch(u, gegelu=False, limit=0.0)
@@ -70,7 +71,7 @@ def _(u):
     return torch.empty((u.shape[0], u.shape[1] // 2), dtype=u.dtype, device=u.device)
 
 
-@torch.library.custom_op("fullgraph::gegelu", mutates_args=())
+@custom_op("fullgraph::gegelu", mutates_args=())
 def gegelu(u: torch.Tensor, limit: float) -> torch.Tensor:
     """GeGeLU on interleaved [a0, b0, a1, b1, ...] columns: (T, 2I) -> (T, I)."""
     return _launch(u, gegelu=True, limit=limit)

@@ -35,6 +35,7 @@ import triton.language as tl
 from . import compile_ahead, pdl
 from .blocksparse_prefill import check_paged_inputs, dot_precision
 from .blocksparse_reduce import blocksparse_reduce
+from .._compat import custom_op
 
 GROUP_BITS = 16  # entry = kb << GROUP_BITS | head bits (the group layout's format; kernels import no layout code)
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite running-max start: exp2(-inf - _NEG_BIG) = 0, never inf - inf
@@ -182,7 +183,7 @@ def _launch_decode(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tens
     return out
 
 
-@torch.library.custom_op("fullgraph::blocksparse_decode", mutates_args=("partial_out", "partial_ml"))
+@custom_op("fullgraph::blocksparse_decode", mutates_args=("partial_out", "partial_ml"))
 def _blocksparse_decode_op(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tensor,
                            block_table: torch.Tensor, counts: torch.Tensor, entries: torch.Tensor,
                            partial_out: torch.Tensor, partial_ml: torch.Tensor, sm_scale: float,
@@ -206,8 +207,8 @@ def blocksparse_decode(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.
     ``counts``/``entries`` are a ``BlockSparseGroupLayout``'s (``build_group_layout``).
     ``partial_out``/``partial_ml`` are persistent float32 workspaces owned by the caller (rows
     ``>= R * H * num_splits``); they are scratch, overwritten on every call. Capture-safe; runs as
-    the ``torch.ops.fullgraph.blocksparse_decode`` custom op. Returns a new (R, H, D) tensor.
+    the ``fullgraph::blocksparse_decode`` custom op. Returns a new (R, H, D) tensor.
     """
-    return torch.ops.fullgraph.blocksparse_decode(q, kv_cache, seq_lens, block_table, counts, entries,
+    return _blocksparse_decode_op(q, kv_cache, seq_lens, block_table, counts, entries,
                                                   partial_out, partial_ml, float(sm_scale),
                                                   int(sparse_block_size), int(num_splits))

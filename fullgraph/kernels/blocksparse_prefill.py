@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from . import compile_ahead, pdl
+from .._compat import custom_op
 
 
 @triton.jit
@@ -221,7 +222,7 @@ def _launch_prefill(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     return out
 
 
-@torch.library.custom_op("fullgraph::blocksparse_prefill", mutates_args=())
+@custom_op("fullgraph::blocksparse_prefill", mutates_args=())
 def _blocksparse_prefill_op(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                             seq_lens: torch.Tensor, block_table: torch.Tensor, counts: torch.Tensor,
                             indices: torch.Tensor, sm_scale: float, sparse_block_size: int) -> torch.Tensor:
@@ -240,8 +241,8 @@ def blocksparse_prefill(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc
     """Block-sparse causal attention of packed new tokens over their paged sequences.
 
     See the module docstring for the layout contract. Capture-safe (no host syncs, static grid);
-    runs as the ``torch.ops.fullgraph.blocksparse_prefill`` custom op, so ``torch.compile``
+    runs as the ``fullgraph::blocksparse_prefill`` custom op, so ``torch.compile``
     traces through it. Returns a new (T, H, D) tensor; padded token rows are zeros.
     """
-    return torch.ops.fullgraph.blocksparse_prefill(q, kv_cache, query_start_loc, seq_lens, block_table,
+    return _blocksparse_prefill_op(q, kv_cache, query_start_loc, seq_lens, block_table,
                                                    counts, indices, float(sm_scale), int(sparse_block_size))

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from . import compile_ahead, pdl
+from .._compat import custom_op
 
 
 @compile_ahead.kernel
@@ -51,7 +52,7 @@ def _kv_write_kernel(
     tl.store(dst + stride_kv, value.to(kv_ptr.dtype.element_ty), mask=mask)
 
 
-@torch.library.custom_op("fullgraph::kv_write", mutates_args=("kv_cache",))
+@custom_op("fullgraph::kv_write", mutates_args=("kv_cache",))
 def _kv_write_op(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
     num_tokens = slot_mapping.shape[0]
@@ -89,5 +90,5 @@ def kv_write(*, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
     if slot_mapping.dim() != 1 or slot_mapping.dtype != torch.int64 or kv_cache.stride(-1) != 1:
         raise ValueError(f"kv_write: slot_mapping must be (T,) int64 (got {tuple(slot_mapping.shape)} "
                          f"{slot_mapping.dtype}); kv_cache stride {kv_cache.stride()} must end in 1")
-    torch.ops.fullgraph.kv_write(key, value, kv_cache, slot_mapping)
+    _kv_write_op(key, value, kv_cache, slot_mapping)
 

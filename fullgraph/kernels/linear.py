@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from . import compile_ahead, pdl
+from .._compat import custom_op
 
 
 @compile_ahead.kernel
@@ -133,7 +134,7 @@ def launch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, activation:
     return out
 
 
-@torch.library.custom_op("fullgraph::linear", mutates_args=())
+@custom_op("fullgraph::linear", mutates_args=())
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, activation: str = "none",
            limit: float = NO_LIMIT) -> torch.Tensor:
     """``x @ w.T + b`` (M, K) x (N, K) -> (M, N) in x's dtype, float32 accumulation; with a gated

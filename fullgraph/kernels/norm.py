@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from . import compile_ahead, pdl
+from .._compat import custom_op
 
 
 @compile_ahead.kernel
@@ -73,7 +74,7 @@ def _fake_like(x):
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
-@torch.library.custom_op("fullgraph::rms_norm", mutates_args=())
+@custom_op("fullgraph::rms_norm", mutates_args=())
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """y = RMSNorm(x) * weight, (T, N) -> (T, N)."""
     return _launch(x, weight, None, eps, None)[0]
@@ -84,7 +85,7 @@ def _(x, weight, eps):
     return _fake_like(x)
 
 
-@torch.library.custom_op("fullgraph::add_rms_norm", mutates_args=())
+@custom_op("fullgraph::add_rms_norm", mutates_args=())
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, h) with h = x + residual and y = RMSNorm(h) * weight."""
@@ -96,7 +97,7 @@ def _(x, residual, weight, eps):
     return _fake_like(x), _fake_like(x)
 
 
-@torch.library.custom_op("fullgraph::layer_norm", mutates_args=())
+@custom_op("fullgraph::layer_norm", mutates_args=())
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
     """y = LayerNorm(x) * weight + bias, (T, N) -> (T, N)."""
     return _launch(x, weight, bias, eps, None)[0]
@@ -107,7 +108,7 @@ def _(x, weight, bias, eps):
     return _fake_like(x)
 
 
-@torch.library.custom_op("fullgraph::add_layer_norm", mutates_args=())
+@custom_op("fullgraph::add_layer_norm", mutates_args=())
 def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, h) with h = x + residual and y = LayerNorm(h) * weight + bias."""

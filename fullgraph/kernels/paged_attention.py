@@ -50,6 +50,7 @@ import triton.language as tl
 from .. import env
 from . import compile_ahead, pdl
 from .split_kv_reduce import split_kv_reduce
+from .._compat import custom_op
 
 # Read once, at import: the interpreter runs every program in Python, so it gets small tiles.
 INTERPRET = env.triton_interpret()
@@ -286,7 +287,7 @@ def split_workspace_rows(max_num_seqs: int, num_kv_heads: int, max_model_len: in
     return max(r * num_kv_splits(r, num_kv_heads, max_model_len, num_sms) for r in range(1, max_num_seqs + 1))
 
 
-@torch.library.custom_op("fullgraph::paged_attention", mutates_args=("part_out", "part_lse"))
+@custom_op("fullgraph::paged_attention", mutates_args=("part_out", "part_lse"))
 def _paged_attention_op(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                         seq_lens: torch.Tensor, block_table: torch.Tensor, part_out: torch.Tensor,
                         part_lse: torch.Tensor, scale: float, decode_only: bool, num_splits: int,
@@ -376,7 +377,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     max_kv_len = block_table.shape[1] * kv_cache.shape[2]
     span = window if 0 < window < max_kv_len else max_kv_len     # keys one decode program walks at most
     cfg = config or default_config(head_dim, q.dtype, decode_only, keys_per_split=_cdiv(span, num_splits))
-    return torch.ops.fullgraph.paged_attention(
+    return _paged_attention_op(
         q, kv_cache, query_start_loc, seq_lens, block_table, part_out, part_lse, float(scale),
         bool(decode_only), int(num_splits), cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
         window)

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from . import compile_ahead, pdl
+from .._compat import custom_op
 
 
 @triton.jit
@@ -63,7 +64,7 @@ def _rope_kernel(
             HALF, BLOCK_HK, BLOCK_D)
 
 
-@torch.library.custom_op("fullgraph::rope", mutates_args=())
+@custom_op("fullgraph::rope", mutates_args=())
 def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
          sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotated (q, k); see the module docstring."""

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from . import compile_ahead, pdl
 from .rope import _rotate
+from .._compat import custom_op
 
 
 @compile_ahead.kernel
@@ -72,7 +73,7 @@ def _rope_kv_write_kernel(
         tl.store(dst + stride_kv + HALF, v2.to(ty), mask=mask)
 
 
-@torch.library.custom_op("fullgraph::rope_kv_write", mutates_args=("kv_cache",))
+@custom_op("fullgraph::rope_kv_write", mutates_args=("kv_cache",))
 def _rope_kv_write_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                       slot_mapping: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                       sin: torch.Tensor) -> torch.Tensor:
@@ -135,4 +136,4 @@ def rope_kv_write(*, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     Capture-safe: the grid is ``query.shape[0]``; skipped tokens are decided on the device.
     """
     _check(query, key, value, kv_cache, slot_mapping, positions, cos, sin)
-    return torch.ops.fullgraph.rope_kv_write(query, key, value, kv_cache, slot_mapping, positions, cos, sin)
+    return _rope_kv_write_op(query, key, value, kv_cache, slot_mapping, positions, cos, sin)

@@ -56,6 +56,7 @@ from .sampling_common import (BLOCK, BUCKETS_PER_NAT, CAND_BLOCK, CAND_SMALL, LI
                               _noise_block, _position, _row_max, _row_sum, _scaled, _zones)
 
 from .sampling_select import _select_kernel
+from .._compat import custom_op
 
 @compile_ahead.kernel
 @triton.jit
@@ -260,7 +261,7 @@ def launch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     return out
 
 
-@torch.library.custom_op("fullgraph::sample", mutates_args=())
+@custom_op("fullgraph::sample", mutates_args=())
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
            min_p: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """(R,) int64 token ids; see the module docstring."""
