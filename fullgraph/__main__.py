@@ -1,4 +1,4 @@
-"""``python -m fullgraph``: demo | generate | doctor | conformance (``--help`` on each)."""
+"""``python -m fullgraph``: demo | generate | serve | doctor | conformance (``--help`` on each)."""
 from __future__ import annotations
 
 import argparse
@@ -41,6 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--regex", default=None, help="constrain the output to this regular expression")
     g.add_argument("--attention", default="auto", choices=backends, help="dense attention backend")
 
+    _serve_parser(sub, fmt, backends)
+
     d = sub.add_parser("doctor", formatter_class=fmt, help="find where eager / padded / graph / compiled outputs diverge")
     from .debug import MODES
     from .models import presets
@@ -64,11 +66,48 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _serve_parser(sub, fmt, backends: list[str]) -> None:
+    from .models import presets
+
+    s = sub.add_parser("serve", formatter_class=fmt, help="an OpenAI-compatible HTTP server",
+                       description="Serve a checkpoint (or random weights) over the OpenAI API: /v1/completions, "
+                                   "/v1/chat/completions (streaming), /v1/models, /health, /metrics")
+    model = s.add_mutually_exclusive_group(required=True)
+    model.add_argument("--model", default=None, help="checkpoint directory or .gguf file")
+    model.add_argument("--preset", default=None, choices=presets.names(),
+                       help="a model shape with random weights (no tokenizer: token-id prompts only)")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on")
+    s.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (all but /health)")
+    s.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the model names clients send (default: the file or preset name)")
+    s.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
+    s.add_argument("--max-model-len", type=int, default=None, help="longest sequence (default: the model's, <= 4096)")
+    s.add_argument("--max-num-tokens", type=int, default=1024, help="token budget of a step")
+    s.add_argument("--max-capture-size", type=int, default=None, help="largest captured step (tokens)")
+    s.add_argument("--num-blocks", type=int, default=None, help="KV-cache pages (default: max-num-seqs full sequences)")
+    s.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache page")
+    s.add_argument("--cudagraph", default="auto", choices=["auto", "none", "padded", "full"], help="runner mode")
+    s.add_argument("--compile", action="store_true", help="torch.compile the step")
+    s.add_argument("--attention", default="auto", choices=backends, help="dense attention backend")
+    s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights (auto: bfloat16 on CUDA, float32 on the CPU)")
+    s.add_argument("--max-logprobs", type=int, default=20, help="most top logprobs a request may ask for (0: off)")
+    s.add_argument("--no-structured", action="store_true", help="no constrained output (response_format, guided_*)")
+    s.add_argument("--warmup", default="auto", choices=["auto", "on", "off"],
+                   help="run every step shape before serving (auto: when capturing graphs or compiling)")
+    s.add_argument("--no-prefix-caching", action="store_true", help="compute every prompt in full")
+    s.add_argument("--seed", type=int, default=0, help="seed of the requests that bring none")
+    s.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="larger request bodies get 413")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="server log")
+    s.add_argument("--no-access-log", action="store_true", help="no log line per request")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO if args.command != "conformance"
                         else logging.WARNING, format="%(message)s")
-    run = {"demo": commands.demo, "generate": commands.generate, "doctor": commands.doctor,
+    run = {"demo": commands.demo, "generate": commands.generate, "serve": commands.serve, "doctor": commands.doctor,
            "conformance": commands.conformance}[args.command]
     try:
         return run(args)

@@ -1,4 +1,4 @@
-"""The CLI's commands (``python -m fullgraph``): demo, generate, doctor, conformance."""
+"""The CLI's commands (``python -m fullgraph``): demo, generate, serve, doctor, conformance."""
 from __future__ import annotations
 
 import argparse
@@ -131,6 +131,28 @@ def generate(args: argparse.Namespace) -> int:
           f"{final.metrics.time_to_first_token * 1e3:.1f} ms, mode {llm.runner.config.cudagraph}"
           f"{' + compile' if llm.runner.config.compile else ''}, finish {final.outputs[0].finish_reason}]")
     return 0
+
+
+def serve(args: argparse.Namespace) -> int:
+    """The OpenAI-compatible server (``fullgraph.server``) until SIGINT / SIGTERM."""
+    from .server import ServerConfig
+    from .server import serve as run
+
+    llm = dict(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, max_num_tokens=args.max_num_tokens,
+               block_size=args.block_size, cudagraph=args.cudagraph, attention=args.attention, compile=args.compile,
+               seed=args.seed)
+    if args.dtype != "auto":
+        llm["dtype"] = getattr(torch, args.dtype)
+    for name in ("max_capture_size", "num_blocks"):
+        if getattr(args, name) is not None:
+            llm[name] = getattr(args, name)
+    if args.no_prefix_caching:
+        llm["enable_prefix_caching"] = False
+    config = ServerConfig(model=args.model, preset=args.preset, host=args.host, port=args.port, api_key=args.api_key,
+                          served_model_names=tuple(args.served_model_name or ()), max_logprobs=args.max_logprobs,
+                          structured=False if args.no_structured else None, max_body_bytes=args.max_body_bytes, llm=llm,
+                          warmup={"auto": None, "on": True, "off": False}[args.warmup])
+    return run(config, log_level=args.log_level, access_log=not args.no_access_log)
 
 
 def doctor(args: argparse.Namespace) -> int:
