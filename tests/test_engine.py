@@ -144,6 +144,7 @@ def test_bad_requests_name_the_request_and_field(llm):
         (lambda: engine.add_request("l", [1] * 256), "request 'l': prompt: 256 tokens"),
         (lambda: engine.add_request("s", [1], fg.SamplingParams(stop=["x"])), "request 's': stop"),
         (lambda: engine.add_request("p", [1], fg.SamplingParams(logprobs=2)), "request 'p': logprobs"),
+        (lambda: engine.add_request("p0", [1], fg.SamplingParams(logprobs=0)), "request 'p0': logprobs: 0 asked for"),
         (lambda: fg.SamplingParams(temperature=-1), "temperature"),
         (lambda: fg.SamplingParams(top_p=0), "top_p"),
         (lambda: fg.SamplingParams(top_p=1.5), "top_p"),

@@ -123,9 +123,11 @@ class Engine:
         if (params.stop or not params.skip_special_tokens) and self.tokenizer is None:
             raise ValueError(f"{who}: stop: stop strings need a tokenizer (this engine has none: token ids only)")
         matcher = self._matcher(who, params) if params.structured is not None else None
-        if (params.logprobs or 0) > cfg.max_logprobs:
-            raise ValueError(f"{who}: logprobs: {params.logprobs} asked for, the runner returns at most "
-                             f"{cfg.max_logprobs} (LLM(max_logprobs=...) / RunnerConfig.max_logprobs)")
+        if params.logprobs is not None and (not cfg.max_logprobs or params.logprobs > cfg.max_logprobs):
+            # a runner built with max_logprobs=0 returns no logprobs at all, not even the sample's own
+            returns = f"at most {cfg.max_logprobs}" if cfg.max_logprobs else "none (it was built with max_logprobs=0)"
+            raise ValueError(f"{who}: logprobs: {params.logprobs} asked for, the runner returns {returns} "
+                             "(LLM(max_logprobs=...) / RunnerConfig.max_logprobs)")
         seed = params.seed if params.seed is not None else int(self._seeds.integers(0, 2**62))
         text = self._request_text(params) if self.tokenizer is not None else None
         request = Request(str(request_id), text_prompt, ids, params, seed, text,
