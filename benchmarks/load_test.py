@@ -28,15 +28,16 @@ import sys
 import tempfile
 import time
 import urllib.error
-from pathlib import Path
-
 import urllib.parse
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from fullgraph.bench.serve import workload  # noqa: E402  (bench serve's prompts and arrivals, same seed)
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -67,16 +68,6 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
 def _max_model_len(args) -> int:
     longest = args.shared_prefix + args.input_len * 3 // 2 + args.output_len + 16
     return -(-longest // 256) * 256   # as bench serve sizes its runner
-
-
-def workload(args, vocab: int) -> tuple[list[list[int]], np.ndarray]:
-    """``bench serve``'s prompts and arrival times (the same draws from the same seed)."""
-    rng = np.random.default_rng(args.seed)
-    system = rng.integers(0, vocab, args.shared_prefix).tolist()
-    lens = rng.integers(max(1, args.input_len // 2), args.input_len * 3 // 2 + 1, args.requests)
-    prompts = [system + rng.integers(0, vocab, n).tolist() for n in lens]
-    arrivals = np.zeros(args.requests) if not args.rate else np.cumsum(rng.exponential(1 / args.rate, args.requests))
-    return prompts, arrivals
 
 
 def start_server(args) -> tuple[subprocess.Popen, str, Path]:
