@@ -6,6 +6,8 @@
 #   peers (the decode table beside a naive whole-model graph and reduce-overhead) window serve engine (sampling, mask) sanitize
 #   sanitize-probe (initcheck: producer -> consumer pairs; toy-llama with PDL on and off) long (100K tokens through fg.LLM)
 #   mask (structured output on the GPU; TOKENIZER=dir for the vocabulary) capture-cold (empty Triton caches, ahead and serial)
+#   serve-prefix (a shared 1,024-token system prompt, prefix caching on and off) server-load (HTTP server vs in-process;
+#   needs fastapi, starlette, pydantic, uvicorn and httptools carried as wheels)
 # Logs and JSON land in $OUT (or ./out); each part has its own time limit so a call stays bounded.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -63,6 +65,14 @@ sanitize)  # quick: triton and block-sparse kernels, with programmatic dependent
     run sanitize 200 python3 benchmarks/sanitize.py --quick --tools initcheck memcheck --timeout 90 --out "$OUT/sanitize.json"
     FULLGRAPH_PDL=0 run sanitize_nopdl 120 python3 benchmarks/sanitize.py --quick --tools initcheck --timeout 100 \
         --out "$OUT/sanitize_nopdl.json"
+    ;;
+serve-prefix)
+    run serve_prefix 300 python3 -m fullgraph.bench serve --preset llama-1b --shared-prefix 1024 --requests 256 \
+        --input-len 512 --output-len 128 --max-num-seqs 64 --max-num-tokens 2048 --out "$OUT/serve_prefix.json"
+    ;;
+server-load)
+    run server_load 400 python3 benchmarks/load_test.py --preset llama-1b --requests 256 --concurrency 256 \
+        --input-len 512 --output-len 128 --max-num-seqs 64 --max-num-tokens 2048 --engine-too --out "$OUT/server_load.json"
     ;;
 sanitize-probe)
     run sanitize_probe 200 python3 benchmarks/sanitize.py --probe --tools initcheck --timeout 180 --out "$OUT/sanitize_probe.json"
