@@ -28,6 +28,7 @@ import triton.runtime.jit as triton_jit
 
 from fullgraph import FullGraphRunner, RunnerConfig
 from fullgraph.bench import _table
+from fullgraph.kernels import compile_ahead
 from fullgraph.models import presets
 
 
@@ -90,13 +91,24 @@ def main() -> None:
           f"({sum(r['variants'] for r in rows)} variants, serial part), first loads {sum(loads):.2f} s "
           f"({len(loads)}), the rest {total - jit - sum(loads):.2f} s")
     print(report)
+    ahead = {k: v for k, v in compile_ahead.last.items() if k != "t0"}
+    jobs = ahead.get("jobs", [])
+    if jobs:  # how much the pool's compilations overlapped: summed job seconds over their wall span
+        span = max(s + c + l for _, s, c, l in jobs) - min(s for _, s, _, _ in jobs)
+        busy = sum(c + l for _, _, c, l in jobs)
+        print(f"compiled ahead: {ahead['variants']} submissions, {len(jobs)} compile jobs; the runs "
+              f"{ahead['runs_s']:.2f} s, then waiting {ahead['wait_s']:.2f} s; jobs {busy:.2f} s of compile + "
+              f"launcher over a {span:.2f} s span (overlap {busy / max(span, 1e-9):.1f}x); first job at "
+              f"{min(s for _, s, _, _ in jobs):.2f} s, last done at {max(s + c + l for _, s, c, l in jobs):.2f} s")
+        _table([{"kernel": n, "start_s": s, "compile_s": c, "launcher_s": l} for n, s, c, l in sorted(jobs, key=lambda j: j[1])],
+               ["kernel", "start_s", "compile_s", "launcher_s"])
     with open(args.out, "w") as f:
         json.dump({"preset": args.preset, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                    "graphs": report.num_graphs, "capture_s": total, "jit_s": jit, "load_s": sum(loads),
                    "loads": len(loads), "compile_ahead_s": report.compile_seconds,
                    "warmup_s": report.warmup_seconds, "record_s": report.record_seconds,
                    "instantiate_s": report.instantiate_seconds,
-                   "graph_MiB": report.graph_bytes / 2**20, "rows": rows}, f, indent=1)
+                   "graph_MiB": report.graph_bytes / 2**20, "rows": rows, "ahead": ahead}, f, indent=1)
     print(f"wrote {args.out}")
 
 

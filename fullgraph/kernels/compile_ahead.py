@@ -41,6 +41,9 @@ logger = logging.getLogger("fullgraph")
 
 _active = False  # inside compile_ahead: launches of `kernel`s only submit their compilation
 _submitted: set = set()  # (kernel, argument key) pairs submitted in the current compile_ahead block
+# the last compile_ahead block: {"variants", "runs_s" (the runs, submitting), "wait_s" (leaving: the
+# compilations still running), "jobs": [(kernel, start_s, compile_s, launcher_s), ...] (from the block's start)}
+last: dict = {}
 
 
 class Kernel:
@@ -111,11 +114,15 @@ class _Pool(ThreadPoolExecutor):
 
 
 def _compile_and_prepare(fn, args, kwargs):
+    start = time.perf_counter()
     compiled = fn(*args, **kwargs)
+    built = time.perf_counter()
     try:  # best effort: the real first launch builds (or, now, loads) it again either way
         triton.runtime.driver.active.launcher_cls(compiled.src, compiled.metadata)
     except Exception:  # noqa: BLE001 (an internal API of Triton's; a failure here changes nothing)
         pass
+    name = getattr(getattr(compiled, "metadata", None), "name", "?")
+    last.setdefault("jobs", []).append((name, start - last.get("t0", start), built - start, time.perf_counter() - built))
     return compiled
 
 
@@ -130,13 +137,18 @@ def compile_ahead(num_workers: int | None = None) -> Iterator[bool]:
     if num_workers <= 0 or _active:
         yield False
         return
+    last.clear()
+    last.update(t0=time.perf_counter(), jobs=[])
     with _Pool(num_workers, thread_name_prefix="fullgraph-jit") as pool, triton.AsyncCompileMode(pool):
         _active = True
         try:
             yield True
         finally:
             _active = False
+            last["variants"] = len(_submitted)
+            last["runs_s"] = time.perf_counter() - last["t0"]
             _submitted.clear()
+    last["wait_s"] = time.perf_counter() - last["t0"] - last["runs_s"]
 
 
 def compile_runs(runs: Iterable[Callable[[], None]], num_workers: int | None = None) -> float:
@@ -151,5 +163,7 @@ def compile_runs(runs: Iterable[Callable[[], None]], num_workers: int | None = N
             run()
             count += 1
     seconds = time.perf_counter() - start
-    logger.info("fullgraph: compiled the Triton kernels of %d runs ahead in %.2f s", count, seconds)
+    logger.info("fullgraph: compiled the Triton kernels of %d runs ahead in %.2f s (%d submissions; the runs "
+                "%.2f s, then waiting %.2f s)", count, seconds, last.get("variants", 0), last.get("runs_s", 0.0),
+                last.get("wait_s", 0.0))
     return seconds
