@@ -141,12 +141,17 @@ def probe() -> None:
 
 
 def trace() -> None:
-    """toy-llama, triton, padded: the first steps with every operator's tensors printed (address
-    range, shape, strides), so a finding's address names the tensor and the operator that made it."""
+    """toy-llama, triton, padded: construction, warm-up and the first two steps with every
+    operator's tensors printed (address range, shape, strides) and the project line that called
+    it, so a finding's address names the tensor, the operator that made it and its caller."""
+    import traceback
+
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import fullgraph as fg
+
+    root = str(Path(fg.__file__).parent)
 
     def span(t):
         if not isinstance(t, torch.Tensor) or t.device.type != "cuda":
@@ -154,20 +159,29 @@ def trace() -> None:
         end = t.data_ptr() + max(0, sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * t.element_size()
         return f"{t.data_ptr():#x}-{end + t.element_size():#x} {tuple(t.shape)} {t.stride()} {str(t.dtype)[6:]}"
 
+    def caller() -> str:
+        frames = [f for f in traceback.extract_stack()[:-3] if f.filename.startswith(root)]
+        return " < ".join(f"{Path(f.filename).name}:{f.lineno}" for f in frames[-3:][::-1])
+
     class Trace(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             flat = torch.utils._pytree.tree_leaves((args, kwargs or {}))
             outs = torch.utils._pytree.tree_leaves(out)
-            print(f"trace: {func} out {[span(t) for t in outs if span(t)]} in {[span(t) for t in flat if span(t)]}",
-                  flush=True)
+            print(f"trace: {func} out {[span(t) for t in outs if span(t)]} in {[span(t) for t in flat if span(t)]} "
+                  f"at {caller()}", flush=True)
             return out
 
-    model = fg.models.Llama(fg.models.LlamaConfig.toy(), dtype=torch.bfloat16, device="cuda")
-    runner = fg.FullGraphRunner(model, attention="triton", cudagraph="padded", max_num_seqs=8, max_num_tokens=128,
-                                max_model_len=320, capture_sizes=(4, 16, 64, 128))
-    runner.warmup()
-    torch.cuda.synchronize()
+    print("driver: trace construction", flush=True)
+    with Trace():
+        model = fg.models.Llama(fg.models.LlamaConfig.toy(), dtype=torch.bfloat16, device="cuda")
+        runner = fg.FullGraphRunner(model, attention="triton", cudagraph="padded", max_num_seqs=8, max_num_tokens=128,
+                                    max_model_len=320, capture_sizes=(4, 16, 64, 128))
+        torch.cuda.synchronize()
+    print("driver: trace warm-up", flush=True)
+    with Trace():
+        runner.warmup()
+        torch.cuda.synchronize()
     gen = torch.Generator().manual_seed(0)
     reqs = [runner.blocks.allocate(20) for _ in range(4)]
     steps = [[(20, 0, 0), (9, 0, 1), (21, 0, 2)], [(5, 20, 0), (1, 9, 1), (3, 0, 3)]]
