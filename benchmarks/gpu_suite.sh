@@ -72,6 +72,9 @@ serve-prefix)
     # every request admitted at once: its first token waits for prefill, not for a decode slot
     run serve_prefix_256 300 python3 -m fullgraph.bench serve --preset llama-1b --shared-prefix 1024 --requests 256 \
         --input-len 512 --output-len 128 --max-num-seqs 256 --max-num-tokens 2048 --out "$OUT/serve_prefix_256.json"
+    # a chat turn: the shared 1,024-token system prompt and a 128-token user message
+    run serve_prefix_chat 300 python3 -m fullgraph.bench serve --preset llama-1b --shared-prefix 1024 --requests 256 \
+        --input-len 128 --output-len 128 --max-num-seqs 64 --max-num-tokens 2048 --out "$OUT/serve_prefix_chat.json"
     ;;
 server-load)
     run server_load 400 python3 benchmarks/load_test.py --preset llama-1b --requests 256 --concurrency 256 \

@@ -16,6 +16,7 @@ the code from one of the tool. It needs a CUDA GPU and ``compute-sanitizer`` (CU
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -140,10 +141,12 @@ def probe() -> None:
     phase("rms_norm -> gather, graph", norm_then_gather_graph)
 
 
-def trace() -> None:
+def trace(mode: str = "print") -> None:
     """toy-llama, triton, padded: construction, warm-up and the first two steps with every
     operator's tensors printed (address range, shape, strides) and the project line that called
-    it, so a finding's address names the tensor, the operator that made it and its caller."""
+    it, so a finding's address names the tensor, the operator that made it and its caller.
+    ``mode`` "quiet" keeps the dispatch mode but prints nothing, "off" runs without one: the same
+    steps, to tell a finding that the tracing changes (its timing, or the custom-op path it forces)."""
     import traceback
 
     import torch
@@ -166,12 +169,16 @@ def trace() -> None:
     class Trace(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
+            if mode == "quiet":
+                return out
             flat = torch.utils._pytree.tree_leaves((args, kwargs or {}))
             outs = torch.utils._pytree.tree_leaves(out)
             print(f"trace: {func} out {[span(t) for t in outs if span(t)]} in {[span(t) for t in flat if span(t)]} "
                   f"at {caller()}", flush=True)
             return out
 
+    if mode == "off":
+        Trace = contextlib.nullcontext  # noqa: N806
     print("driver: trace construction", flush=True)
     with Trace():
         model = fg.models.Llama(fg.models.LlamaConfig.toy(), dtype=torch.bfloat16, device="cuda")
@@ -240,13 +247,14 @@ def main() -> int:
     parser.add_argument("--timeout", type=int, default=900, help="seconds per tool")
     parser.add_argument("--quick", action="store_true", help="toy-llama and toy Phi-3-Small on the triton backend only")
     parser.add_argument("--probe", action="store_true", help="isolated producer -> consumer pairs instead")
-    parser.add_argument("--trace", action="store_true", help=argparse.SUPPRESS)  # with --driver: trace()
+    parser.add_argument("--trace", nargs="?", const="print", default=None, choices=("print", "quiet", "off"),
+                        help=argparse.SUPPRESS)  # with --driver: trace(mode)
     parser.add_argument("--only", default=None, help="run only the driver phases whose 'model backend mode' "
                                                      "contains this text (e.g. 'toy-llama triton padded')")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
     if args.driver:
-        trace() if args.trace else probe() if args.probe else drive(args.quick, args.only)
+        trace(args.trace) if args.trace else probe() if args.probe else drive(args.quick, args.only)
         return 0
     driver_args = ["--quick"] * args.quick + ["--probe"] * args.probe + (["--only", args.only] if args.only else [])
     results = [run_tool(tool, args.timeout, driver_args) for tool in args.tools]
