@@ -43,6 +43,13 @@ def drive(quick: bool, only: str | None = None) -> None:
 
         def ids(n):
             return torch.randint(1, 500, (n,), generator=gen).tolist()
+        count = iter(range(100))
+        step = runner.step
+
+        def logged(chunks):  # "step: N" lines place a finding within a phase
+            print(f"step: {next(count)}", flush=True)
+            return step(chunks)
+        runner.step = logged
         reqs = [runner.blocks.allocate(20) for _ in range(4)]
         runner.step([fg.SeqChunk(ids(n), 0, b) for n, b in zip((20, 9, 21), reqs)])          # mixed, padded to 64
         runner.step([fg.SeqChunk(ids(5), 20, reqs[0]), fg.SeqChunk(ids(1), 9, reqs[1]),      # chunked prefill with
@@ -131,6 +138,22 @@ def probe() -> None:
         for _ in range(2):
             graph.replay()
 
+    def layer_chain(pad_to=64, real=50):
+        """A decoder layer's first launches on fresh memory, as the model makes them: our norm,
+        cuBLAS's QKV projection, our fused RoPE + KV write (padded rows with slot -1)."""
+        def run():
+            h = kernels.rms_norm(randn(pad_to, 64), randn(64), 1e-5)
+            qkv = F.linear(h, randn(128, 64))
+            q, k, v = qkv.split((64, 32, 32), dim=-1)
+            cache = torch.zeros(2, 8, 16, 2, 16, dtype=torch.bfloat16, device="cuda")
+            slots = torch.full((pad_to,), -1, dtype=torch.int64, device="cuda")
+            slots[:real] = torch.randperm(8 * 16, device="cuda")[:real]
+            kernels.rope_kv_write(query=q.view(pad_to, 4, 16), key=k.view(pad_to, 2, 16), value=v.view(pad_to, 2, 16),
+                                  kv_cache=cache, slot_mapping=slots, positions=torch.arange(pad_to, device="cuda"),
+                                  cos=cos, sin=sin)
+        return run
+
+    phase("rms_norm -> cublas -> rope_kv_write", layer_chain())
     phase("cublas-bf16 -> rope", gemm_then_rope(torch.bfloat16))
     phase("cublas-fp32 -> rope", gemm_then_rope(torch.float32))
     for m in (4, 16, 128):
