@@ -75,6 +75,11 @@ serve-prefix)
     # a chat turn: the shared 1,024-token system prompt and a 128-token user message
     run serve_prefix_chat 300 python3 -m fullgraph.bench serve --preset llama-1b --shared-prefix 1024 --requests 256 \
         --input-len 128 --output-len 128 --max-num-seqs 64 --max-num-tokens 2048 --out "$OUT/serve_prefix_chat.json"
+    run serve_prefix_chat_256 300 python3 -m fullgraph.bench serve --preset llama-1b --shared-prefix 1024 --requests 256 \
+        --input-len 128 --output-len 128 --max-num-seqs 256 --max-num-tokens 2048 --out "$OUT/serve_prefix_chat_256.json"
+    # requests arriving at 32 a second (Poisson) instead of all at once
+    run serve_prefix_rate 300 python3 -m fullgraph.bench serve --preset llama-1b --shared-prefix 1024 --requests 256 \
+        --input-len 512 --output-len 128 --rate 32 --max-num-seqs 64 --max-num-tokens 2048 --out "$OUT/serve_prefix_rate.json"
     ;;
 server-load)
     run server_load 400 python3 benchmarks/load_test.py --preset llama-1b --requests 256 --concurrency 256 \
