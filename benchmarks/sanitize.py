@@ -169,7 +169,9 @@ def trace(mode: str = "print") -> None:
     operator's tensors printed (address range, shape, strides) and the project line that called
     it, so a finding's address names the tensor, the operator that made it and its caller.
     ``mode`` "quiet" keeps the dispatch mode but prints nothing, "off" runs without one: the same
-    steps, to tell a finding that the tracing changes (its timing, or the custom-op path it forces)."""
+    steps, to tell a finding that the tracing changes (its timing, or the custom-op path it forces);
+    "nowarm" prints but skips the warm-up, so the steps run on memory nothing wrote before (as
+    the driver's padded phases do)."""
     import traceback
 
     import torch
@@ -210,7 +212,8 @@ def trace(mode: str = "print") -> None:
         torch.cuda.synchronize()
     print("driver: trace warm-up", flush=True)
     with Trace():
-        runner.warmup()
+        if mode != "nowarm":
+            runner.warmup()
         torch.cuda.synchronize()
     gen = torch.Generator().manual_seed(0)
     reqs = [runner.blocks.allocate(20) for _ in range(4)]
@@ -270,7 +273,7 @@ def main() -> int:
     parser.add_argument("--timeout", type=int, default=900, help="seconds per tool")
     parser.add_argument("--quick", action="store_true", help="toy-llama and toy Phi-3-Small on the triton backend only")
     parser.add_argument("--probe", action="store_true", help="isolated producer -> consumer pairs instead")
-    parser.add_argument("--trace", nargs="?", const="print", default=None, choices=("print", "quiet", "off"),
+    parser.add_argument("--trace", nargs="?", const="print", default=None, choices=("print", "quiet", "off", "nowarm"),
                         help=argparse.SUPPRESS)  # with --driver: trace(mode)
     parser.add_argument("--only", default=None, help="run only the driver phases whose 'model backend mode' "
                                                      "contains this text (e.g. 'toy-llama triton padded')")
