@@ -29,26 +29,32 @@ def _split_kv_reduce_kernel(
         # strides (elements)
         stride_ot, stride_oh,
         # meta
-        NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
         HEAD_DIM_PAD: tl.constexpr, USE_PDL: tl.constexpr):
     pdl.wait(USE_PDL)
     pdl.start_dependents(USE_PDL)
     req = tl.program_id(0)
     head = tl.program_id(1)
-    s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, HEAD_DIM_PAD)
-    s_ok = s < NUM_SPLITS
-    rows = ((req * NUM_SPLITS + s) * num_heads + head).to(tl.int64)[:, None]
-    # Everything is a (SPLITS_PAD, D_PAD) tile, each split's lse read along its row: a 1-D lse
-    # broadcast into the tile needed a layout conversion through shared memory in which threads
-    # holding replicated values wrote the same words (compute-sanitizer's racecheck reported it).
-    lse = tl.load(part_lse_ptr + rows + 0 * d[None, :], mask=s_ok[:, None], other=float("-inf"))
-    top = tl.max(lse, 0)[None, :]
-    w = tl.math.exp2(lse - tl.where(top == float("-inf"), 0.0, top))          # 0 for empty splits
-    parts = tl.load(part_out_ptr + rows * HEAD_DIM_PAD + d[None, :], mask=s_ok[:, None] & (w > 0),
-                    other=0.0)                                                 # (SPLITS_PAD, D_PAD)
-    total = tl.sum(w, 0)
-    merged = tl.sum(parts * w, 0) / tl.where(total > 0, total, 1.0)
+    first = (req * NUM_SPLITS * num_heads + head).to(tl.int64)       # row of split 0; split s adds s * H
+    # One split at a time on one (D_PAD,) vector, each lse a scalar: no reduction across a tile
+    # and no layout conversion, so no shared memory (a 2-D tile reduced over its splits went
+    # through shared memory, where threads holding replicated values wrote the same words:
+    # compute-sanitizer's racecheck reported it).
+    top = tl.load(part_lse_ptr + first)
+    for s in tl.static_range(1, NUM_SPLITS):
+        top = tl.maximum(top, tl.load(part_lse_ptr + first + s * num_heads))
+    top = tl.where(top == float("-inf"), 0.0, top)
+    acc = tl.zeros((HEAD_DIM_PAD,), dtype=tl.float32)
+    total = 0.0
+    for s in tl.static_range(NUM_SPLITS):
+        row = first + s * num_heads
+        w = tl.math.exp2(tl.load(part_lse_ptr + row) - top)          # 0 for an empty split
+        part = tl.load(part_out_ptr + row * HEAD_DIM_PAD + d, mask=d < tl.where(w > 0, HEAD_DIM_PAD, 0),
+                       other=0.0)                                    # an empty split reads nothing
+        acc += part * w
+        total += w
+    merged = acc / tl.where(total > 0, total, 1.0)
     o_ptrs = out_ptr + req.to(tl.int64) * stride_ot + head * stride_oh + d
     tl.store(o_ptrs, merged.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
@@ -70,5 +76,5 @@ def split_kv_reduce(*, out: torch.Tensor, part_out: torch.Tensor, part_lse: torc
         out, part_out, part_lse,
         num_heads,
         out.stride(0), out.stride(1),
-        NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
+        NUM_SPLITS=num_splits, HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad, num_warps=1 if head_dim_pad <= 64 else 2, **pdl.options(out))
