@@ -8,6 +8,7 @@
 #   mask (structured output on the GPU; TOKENIZER=dir for the vocabulary) capture-cold (empty Triton caches, ahead and serial)
 #   serve-prefix (a shared 1,024-token system prompt, prefix caching on and off) server-load (HTTP server vs in-process;
 #   needs fastapi, starlette, pydantic, uvicorn and httptools carried as wheels)
+#   sanitize-fresh (initcheck over producer -> consumer probes on fresh memory; racecheck over toy Phi-3-Small)
 # Logs and JSON land in $OUT (or ./out); each part has its own time limit so a call stays bounded.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -106,6 +107,14 @@ capture-cold)  # every default size on an empty Triton cache: compiled ahead, th
                 python3 benchmarks/capture_breakdown.py --preset $preset --out "$OUT/capture_${preset}_w$workers.json"
         done
     done
+    ;;
+sanitize-fresh)  # initcheck over the probes, every finding printed: does the tool see cuBLAS's writes into fresh memory?
+    SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+    run sanitize_fresh 60 "$SAN" --tool initcheck --show-backtrace no --print-limit 5000 python3 benchmarks/sanitize.py \
+        --driver --probe
+    grep "^driver\|^=========     at" "$OUT/sanitize_fresh.log" | uniq -c | tee "$OUT/sanitize_fresh_summary.txt"
+    run race_phi3 100 python3 benchmarks/sanitize.py --only "toy-phi3-small triton" --tools racecheck --timeout 95 \
+        --out "$OUT/race_phi3.json"
     ;;
 sanitize-all)
     run sanitize_all 580 python3 benchmarks/sanitize.py --timeout 140 --out "$OUT/sanitize_all.json"
