@@ -7,7 +7,8 @@
 #   sanitize-probe (initcheck: producer -> consumer pairs; toy-llama with PDL on and off) long (100K tokens through fg.LLM)
 #   mask (structured output on the GPU; TOKENIZER=dir for the vocabulary) capture-cold (empty Triton caches, ahead and serial)
 #   serve-prefix (a shared 1,024-token system prompt, prefix caching on and off) server-load (HTTP server vs in-process;
-#   needs fastapi, starlette, pydantic, uvicorn and httptools carried as wheels)
+#   needs fastapi, starlette, pydantic, pydantic-core, uvicorn, httptools, annotated-types, typing-inspection,
+#   typing-extensions and opentelemetry-api carried as wheels)
 #   sanitize-fresh (initcheck over producer -> consumer probes on fresh memory; racecheck over toy Phi-3-Small)
 # Logs and JSON land in $OUT (or ./out); each part has its own time limit so a call stays bounded.
 set -uo pipefail
@@ -83,8 +84,12 @@ serve-prefix)
         --input-len 512 --output-len 128 --rate 32 --max-num-seqs 64 --max-num-tokens 2048 --out "$OUT/serve_prefix_rate.json"
     ;;
 server-load)
-    run server_load 400 python3 benchmarks/load_test.py --preset llama-1b --requests 256 --concurrency 256 \
+    run server_load 300 python3 benchmarks/load_test.py --preset llama-1b --requests 256 --concurrency 256 \
         --input-len 512 --output-len 128 --max-num-seqs 64 --max-num-tokens 2048 --engine-too --out "$OUT/server_load.json"
+    # the engine on a thread of the server's process, for the comparison
+    run server_load_thread 200 python3 benchmarks/load_test.py --preset llama-1b --requests 256 --concurrency 256 \
+        --input-len 512 --output-len 128 --max-num-seqs 64 --max-num-tokens 2048 --server-arg=--engine-in-process \
+        --out "$OUT/server_load_thread.json"
     ;;
 sanitize-probe)
     run sanitize_probe 200 python3 benchmarks/sanitize.py --probe --tools initcheck --timeout 180 --out "$OUT/sanitize_probe.json"

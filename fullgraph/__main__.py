@@ -101,6 +101,8 @@ def _serve_parser(sub, fmt, backends: list[str]) -> None:
     s.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="larger request bodies get 413")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="server log")
     s.add_argument("--no-access-log", action="store_true", help="no log line per request")
+    s.add_argument("--engine-in-process", action="store_true",
+                   help="step the engine on a thread of the server's process (default: a process of its own)")
 
 
 def main(argv: list[str] | None = None) -> int:

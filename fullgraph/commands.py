@@ -151,7 +151,8 @@ def serve(args: argparse.Namespace) -> int:
     config = ServerConfig(model=args.model, preset=args.preset, host=args.host, port=args.port, api_key=args.api_key,
                           served_model_names=tuple(args.served_model_name or ()), max_logprobs=args.max_logprobs,
                           structured=False if args.no_structured else None, max_body_bytes=args.max_body_bytes, llm=llm,
-                          warmup={"auto": None, "on": True, "off": False}[args.warmup])
+                          warmup={"auto": None, "on": True, "off": False}[args.warmup],
+                          engine_process=not args.engine_in_process)
     return run(config, log_level=args.log_level, access_log=not args.no_access_log)
 
 

@@ -369,10 +369,12 @@ class InProcess:
 TOY = dict(max_num_seqs=4, max_model_len=128, max_num_tokens=64, cudagraph="padded")
 
 
-def test_a_server_without_tokenizer_takes_token_ids_only():
+@pytest.mark.parametrize("engine_process", [True, False], ids=["engine-process", "engine-thread"])
+def test_a_server_without_tokenizer_takes_token_ids_only(engine_process):
     from fullgraph.server import ServerConfig
 
-    with InProcess(ServerConfig(preset="toy", port=free_port(), max_logprobs=2, llm=TOY)) as s:
+    config = ServerConfig(preset="toy", port=free_port(), max_logprobs=2, llm=TOY, engine_process=engine_process)
+    with InProcess(config) as s:
         wait_until(lambda: httpx.get(f"{s.url}/health", timeout=10).status_code == 200, 60, "toy-llama to load")
         text = httpx.post(f"{s.url}/v1/completions", json={"prompt": "hello"}, timeout=TIMEOUT)
         assert "token ids" in is_openai_error(text, 400)["message"]
@@ -421,6 +423,36 @@ def test_a_model_that_fails_to_load_is_reported_not_served():
         wait_until(lambda: s.app.state.server.load_error is not None, 30, "the loader to fail")
         error = is_openai_error(httpx.post(f"{s.url}/v1/completions", json={"prompt": [1]}, timeout=10), 503)
         assert "no such weights" in error["message"]
+
+
+def test_an_engine_process_that_fails_to_load_is_reported_not_served():
+    from fullgraph.server import ServerConfig
+
+    with InProcess(ServerConfig(preset="toy", port=free_port(), llm={**TOY, "max_num_seqs": 0})) as s:
+        wait_until(lambda: s.app.state.server.load_error is not None, 60, "the engine process to fail")
+        error = is_openai_error(httpx.post(f"{s.url}/v1/completions", json={"prompt": [1]}, timeout=10), 503)
+        assert "max_num_seqs" in error["message"]
+
+
+def test_an_engine_process_that_dies_fails_its_requests_and_health():
+    import signal
+
+    from fullgraph.server import ServerConfig
+
+    with InProcess(ServerConfig(preset="toy", port=free_port(), llm=TOY)) as s:
+        wait_until(lambda: httpx.get(f"{s.url}/health", timeout=10).status_code == 200, 60, "toy-llama to load")
+        body = {"prompt": [5, 9, 2], "max_tokens": 2000, "ignore_eos": True, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{s.url}/v1/completions", json=body, timeout=TIMEOUT) as stream:
+            lines = stream.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+            os.kill(s.app.state.server.loop._process.pid, signal.SIGKILL)
+            rest = [line for line in lines if line.startswith("data:")]
+        assert "engine process stopped" in json.loads(rest[-2][len("data: "):])["error"]["message"]
+        assert rest[-1] == "data: [DONE]"
+        health = is_openai_error(httpx.get(f"{s.url}/health", timeout=10), 503)
+        assert "engine process stopped" in health["message"]
+        again = httpx.post(f"{s.url}/v1/completions", json={"prompt": [5], "max_tokens": 2}, timeout=TIMEOUT)
+        assert "engine process stopped" in is_openai_error(again, 503)["message"]
 
 
 def test_llm_on_a_directory_without_tokenizer_says_so(tmp_path):

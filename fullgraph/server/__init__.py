@@ -2,9 +2,10 @@
 uvicorn, prometheus_client). ``python -m fullgraph serve --model PATH`` runs it.
 
 Layout: ``protocol`` (request bodies onto SamplingParams, OpenAI-shaped errors; which fields are
-ignored or refused), ``responses`` (bodies, stream chunks, logprobs), ``loop`` (the one engine
-thread), ``state`` (loading, tokenizing, running a request), ``metrics`` (Prometheus), ``app``
-(routes, API key, body limit), ``config`` (ServerConfig, loading the model).
+ignored or refused), ``responses`` (bodies, stream chunks, logprobs), ``engine_process`` (the
+engine in a process of its own, the default), ``loop`` (the engine on a thread of this process,
+and the sinks both deliver into), ``state`` (loading, tokenizing, running a request), ``metrics``
+(Prometheus), ``app`` (routes, API key, body limit), ``config`` (ServerConfig, loading the model).
 """
 from __future__ import annotations
 
@@ -37,8 +38,8 @@ def serve(config: ServerConfig, *, log_level: str = "info", access_log: bool = T
 
     from .app import build_app as build
 
-    # The engine thread and the event loop share the GIL: a shorter switch interval (default 5 ms)
-    # lets the engine thread take it back soon after each device wait, however busy the HTTP side is.
+    # With the engine on a thread (engine_process=False) it shares the GIL with the event loop: a
+    # shorter switch interval (default 5 ms) lets it take the lock back soon after each device wait.
     sys.setswitchinterval(0.001)
     app = build(config)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,

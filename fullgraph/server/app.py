@@ -139,11 +139,10 @@ def _routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/models")
     async def models():
         state.require_ready()
-        cfg = state.llm.runner.config
+        info = state.info
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": state.created, "owned_by": "fullgraph",
-             "max_model_len": cfg.max_model_len,
-             "vocab_size": state.llm.runner.vocab_size, "tokenizer": state.served.has_tokenizer}
+             "max_model_len": info.max_model_len, "vocab_size": info.vocab_size, "tokenizer": state.served.has_tokenizer}
             for name in state.served.names]}
 
     @app.post("/v1/completions")

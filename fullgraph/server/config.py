@@ -26,6 +26,9 @@ class ServerConfig:
     ``warmup``: run every step shape before serving (None: when the runner captures graphs or
     compiles, which the first step would otherwise do while a client waits).
     ``max_body_bytes``: larger request bodies are refused with 413.
+    ``engine_process``: run the engine in a process of its own (``server/engine_process.py``), so
+    its host work never waits for the HTTP side's turn on the interpreter lock; False: a thread
+    of the server's process.
     """
 
     model: str | None = None
@@ -38,6 +41,7 @@ class ServerConfig:
     structured: bool | None = None
     warmup: bool | None = None
     max_body_bytes: int = 8 * 2**20
+    engine_process: bool = True
     llm: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -83,6 +87,11 @@ def _tokenizer(path: Path):
     except ValueError as err:
         logger.warning("fullgraph: serving token ids only: %s", err)
         return None
+
+
+def load_server_tokenizer(config: ServerConfig):
+    """The tokenizer the server process tokenizes with (None for a preset: token ids only)."""
+    return None if config.preset is not None else _tokenizer(Path(config.model))
 
 
 def load_llm(config: ServerConfig):

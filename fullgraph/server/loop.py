@@ -1,4 +1,6 @@
-"""The one engine thread: every call into ``fg.Engine`` (add_request, abort, step) happens on it.
+"""The engine on a thread of the server's process (``ServerConfig(engine_process=False)``; the
+default runs it in a process of its own, ``engine_process.py``, which delivers into the same
+``Sink``s). Every call into ``fg.Engine`` (add_request, abort, step) happens on that thread.
 
 HTTP handlers run on the asyncio event loop; they only enqueue commands (a thread-safe queue) and
 await. The thread applies every queued command between two steps, runs a step while the engine

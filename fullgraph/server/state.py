@@ -9,7 +9,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from .config import ServerConfig, load_llm
+from .config import ServerConfig, load_llm, load_server_tokenizer
+from .engine_process import EngineInfo, ProcessEngineLoop, info_of
 from .loop import ClientGone, EngineFailed, EngineLoop, Sink
 from .metrics import ServerMetrics
 from .protocol import ApiError, Job, Served, bad, from_value_error
@@ -22,8 +23,11 @@ class ServerState:
     def __init__(self, config: ServerConfig, loader: Callable[[], object] | None = None) -> None:
         self.config, self.created = config, int(time.time())
         self.metrics = ServerMetrics()
+        # the engine in a process of its own (engine_process.py), unless a loader hands us an
+        # fg.LLM of this process (tests) or the config says so
+        self._in_process = loader is not None or not config.engine_process
         self._loader = loader or (lambda: load_llm(config))
-        self.llm = self.loop = self.served = self.vocab = None
+        self.tokenizer = self.info = self.loop = self.served = self.vocab = None
         self.load_error: str | None = None
         self.on_load_error: Callable[[str], None] | None = None
         # one tokenizer thread: the tokenizer is not used from two threads at once, and a long
@@ -37,32 +41,36 @@ class ServerState:
 
     def _load(self, aloop: asyncio.AbstractEventLoop) -> None:
         try:
-            llm = self._loader()
-            self._ready(llm, aloop)
+            if self._in_process:
+                llm = self._loader()
+                loop = EngineLoop(llm.engine, aloop, self.metrics)
+                self._ready(info_of(llm), llm.tokenizer, loop)
+            else:
+                loop = ProcessEngineLoop(self.config, aloop, self.metrics)
+                loop.launch()                                 # the engine process loads the model ...
+                tokenizer = load_server_tokenizer(self.config)  # ... while this one loads the tokenizer
+                self._ready(loop.wait_ready(), tokenizer, loop)
         except Exception as err:  # noqa: BLE001 (reported; the command exits with it)
             self.load_error = f"{type(err).__name__}: {err}" if not isinstance(err, ValueError) else str(err)
             logger.error("fullgraph: loading the model failed: %s", self.load_error)
             if self.on_load_error is not None:
                 self.on_load_error(self.load_error)
 
-    def _ready(self, llm, aloop: asyncio.AbstractEventLoop) -> None:
-        engine = llm.engine
+    def _ready(self, info: EngineInfo, tokenizer, loop) -> None:
         tokens = None
-        if llm.tokenizer is not None:
+        if tokenizer is not None:
             from ..engine.text import tokenizer_token_bytes
 
-            tokens = tokenizer_token_bytes(llm.tokenizer, llm.runner.vocab_size)[0]
+            tokens = tokenizer_token_bytes(tokenizer, info.vocab_size)[0]
         self.vocab = Vocab(tokens)
-        self.served = Served(self.config.served_model_names, llm.runner.config.max_logprobs, llm.tokenizer is not None,
-                             llm.runner.config.structured)
-        loop = EngineLoop(engine, aloop, self.metrics)
+        self.served = Served(self.config.served_model_names, info.max_logprobs, tokenizer is not None, info.structured)
         self.metrics.watch(lambda: loop.snapshot)
         loop.start()
-        self.llm, self.loop = llm, loop  # last: requests see a ready server only now
-        cfg = llm.runner.config
-        logger.info("fullgraph: serving %s (max_num_seqs %d, max_model_len %d, %d KV pages, %s%s)",
-                    ", ".join(self.served.names), cfg.max_num_seqs, cfg.max_model_len, cfg.num_blocks - 1,
-                    cfg.cudagraph, "" if llm.tokenizer is not None else ", token ids only")
+        self.tokenizer, self.info, self.loop = tokenizer, info, loop  # last: requests see a ready server only now
+        logger.info("fullgraph: serving %s (max_num_seqs %d, max_model_len %d, %d KV pages, %s%s, the engine %s)",
+                    ", ".join(self.served.names), info.max_num_seqs, info.max_model_len, info.num_blocks - 1,
+                    info.cudagraph, "" if tokenizer is not None else ", token ids only",
+                    "in this process" if self._in_process else "in its own process")
 
     def close(self) -> None:
         if self.loop is not None:
@@ -70,6 +78,9 @@ class ServerState:
         self._tokenize.shutdown(wait=False, cancel_futures=True)
 
     def require_ready(self) -> None:
+        gone = getattr(self.loop, "gone", None)
+        if gone is not None:  # the engine process died: nothing here can serve again
+            raise ApiError(503, gone, None, "engine_gone")
         if self.loop is None:
             why = f"the model failed to load: {self.load_error}" if self.load_error else "the model is loading"
             raise ApiError(503, f"{why}; try again shortly" if not self.load_error else why, None,
@@ -78,7 +89,7 @@ class ServerState:
     # ---- prompts -----------------------------------------------------------------------------
     async def prompt_ids(self, job: Job) -> list[list[int]]:
         """Each prompt of ``job`` as token ids (text tokenized, chat templated, off the event loop)."""
-        tok = self.llm.tokenizer
+        tok = self.tokenizer
         if job.kind == "chat":
             if tok is None:
                 raise bad("this server has no tokenizer, so no chat template: use /v1/completions with token ids",
@@ -96,7 +107,7 @@ class ServerState:
 
     def _chat_ids(self, messages: list[dict]) -> list[int]:
         try:
-            ids = self.llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                          return_dict=False)
         except Exception as err:  # noqa: BLE001 (a template's refusal is the client's: jinja raises its own types)
             raise bad(f"messages: the chat template refused them: {type(err).__name__}: {err}", "messages") from None
