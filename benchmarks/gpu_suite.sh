@@ -69,6 +69,9 @@ sanitize)  # quick: triton and block-sparse kernels, with programmatic dependent
         --out "$OUT/sanitize_nopdl.json"
     ;;
 serve-prefix)
+    # bench serve's own defaults (64 requests of 1,024 shared + ~256 own tokens, 64 running, a 1,024-token budget)
+    run serve_prefix_default 200 python3 -m fullgraph.bench serve --preset llama-1b --shared-prefix 1024 \
+        --out "$OUT/serve_prefix_default.json"
     run serve_prefix 300 python3 -m fullgraph.bench serve --preset llama-1b --shared-prefix 1024 --requests 256 \
         --input-len 512 --output-len 128 --max-num-seqs 64 --max-num-tokens 2048 --out "$OUT/serve_prefix.json"
     # every request admitted at once: its first token waits for prefill, not for a decode slot
