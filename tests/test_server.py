@@ -464,3 +464,46 @@ def test_llm_on_a_directory_without_tokenizer_says_so(tmp_path):
         fg.LLM(tmp_path, max_model_len=64, max_num_tokens=32, max_num_seqs=2, cudagraph="padded")
     llm = fg.LLM(tmp_path, tokenizer=None, max_model_len=64, max_num_tokens=32, max_num_seqs=2, cudagraph="padded")
     assert len(llm.generate([[1, 2, 3]], greedy(2))[0].outputs[0].token_ids) == 2
+
+
+def test_engine_process_bookkeeping_a_failed_step_fails_only_what_ran():
+    """The server side of the engine process, fed the child's messages directly: a failed step
+    fails the requests that ran and leaves a group still queued; each delta rebuilds the whole
+    output (prompt, cumulative ids, text and logprobs)."""
+    from fullgraph.engine import RequestMetrics
+    from fullgraph.server import ServerConfig
+    from fullgraph.server.engine_process import ProcessEngineLoop
+    from fullgraph.server.loop import EngineFailed
+
+    async def scenario():
+        loop = ProcessEngineLoop(ServerConfig(preset="toy"), asyncio.get_running_loop())
+        sent = []
+        loop._send = lambda message: sent.append(message) or True        # no child: record the commands
+        params = fg.SamplingParams(max_tokens=4)
+        running = asyncio.ensure_future(loop.submit([("a-0", [5, 9], params)], 0.0))
+        queued = asyncio.ensure_future(loop.submit([("b-0", [7], params)], 0.0))
+        await asyncio.sleep(0)
+        assert [m[0] for m in sent] == ["add", "add"]
+        loop._accepted(sent[0][1], None)
+        sink_a = await running
+        metrics = RequestMetrics(arrival_time=0.0, first_token_time=0.1, num_prompt_tokens=2)
+        loop._step([("a-0", [11], "x", [{11: -0.5}], None, None, False, metrics, 0)], [], loop.snapshot)
+        loop._step([("a-0", [12, 13], "yz", [{12: -1.0}, {13: -2.0}], None, None, False, metrics, 0)], [], loop.snapshot)
+        await asyncio.sleep(0)
+        outs = [out for _, out in await sink_a.next()]
+        assert outs[-1].prompt_token_ids == [5, 9] and outs[-1].outputs[0].token_ids == [11, 12, 13]
+        assert outs[-1].outputs[0].text == "xyz" and outs[-1].outputs[0].delta_token_ids == [12, 13]
+        assert outs[-1].outputs[0].logprobs == [{11: -0.5}, {12: -1.0}, {13: -2.0}]
+        loop._fail_running(EngineFailed("the engine step failed: boom"))
+        await asyncio.sleep(0)
+        with pytest.raises(EngineFailed, match="boom"):
+            await sink_a.next()
+        assert not queued.done()                                          # still queued in the child's pipe
+        loop._accepted(sent[1][1], None)
+        sink_b = await queued
+        loop._step([("b-0", [3], "", None, "length", None, True, metrics, 0)], [], loop.snapshot)
+        await asyncio.sleep(0)
+        assert [out.outputs[0].token_ids for _, out in await sink_b.next()] == [[3]]
+        loop._accepted(99, None)                                          # an answer nobody waits for: ignored
+
+    asyncio.run(scenario())

@@ -13,11 +13,16 @@ They talk over one ``multiprocessing`` pipe of pickled tuples, in order:
                        ("abort", [request id, ...])     ("stop",)
     engine -> server   ("ready", EngineInfo) | ("load_failed", message)
                        ("accepted", group, None | (is_value_error, message))
-                       ("step", [RequestOutput, ...], aborted ids, Snapshot)
+                       ("step", [Delta, ...], aborted ids, Snapshot)
                        ("failed", message)              (a step raised: its requests are gone)
 
-A step's outputs go out as one message; between two steps the child applies every command that
-arrived. :class:`ProcessEngineLoop` is the server side, with :class:`~.loop.EngineLoop`'s
+A step's outputs go out as one message of deltas (the new token ids, text and logprobs, the
+finish fields and metrics: never a request's prompt or whole history, which would make each
+step's message grow with the context); the server side keeps each request's prompt and
+cumulative output and rebuilds a whole ``RequestOutput`` from each delta, so the response code
+sees what the engine returned. Between two steps the child applies every command that arrived.
+The child ignores SIGINT (Ctrl-C in the terminal reaches the whole process group): the server
+drains its requests and then stops it. :class:`ProcessEngineLoop` is the server side, with :class:`~.loop.EngineLoop`'s
 interface (``submit``, ``abort``, ``snapshot``, ``stop``): a reader thread receives (blocking
 in ``recv``, which releases the lock) and hands each step to the event loop in one call.
 """
@@ -30,7 +35,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..engine import RequestOutput, SamplingParams
+from ..engine import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
 from .loop import EngineFailed, Sink, Snapshot, _deliver, _settle
 from .metrics import ServerMetrics
 
@@ -57,6 +62,44 @@ def info_of(llm) -> EngineInfo:
                       cfg.max_logprobs, bool(cfg.structured), llm.tokenizer is not None)
 
 
+# one request's step in the step message: (request id, new token ids, new text, new logprob
+# entries or None, finish reason, stop reason, finished, metrics, cached prompt tokens)
+Delta = tuple
+
+
+def _delta(out: RequestOutput) -> Delta:
+    c = out.outputs[0]
+    n = len(c.delta_token_ids)
+    logprobs = None if c.logprobs is None else c.logprobs[max(0, len(c.logprobs) - n):]
+    return (out.request_id, list(c.delta_token_ids), c.delta_text, logprobs, c.finish_reason, c.stop_reason,
+            out.finished, out.metrics, out.num_cached_tokens)
+
+
+@dataclass
+class _Mirror:
+    """The server side's copy of one request: its prompt and cumulative output."""
+
+    sink: Sink
+    choice: int
+    arrival: float
+    prompt: list[int]
+    token_ids: list[int]
+    text: str = ""
+    logprobs: list | None = None
+
+    def apply(self, delta: Delta) -> RequestOutput:
+        rid, new_ids, new_text, new_logprobs, reason, stop_reason, finished, metrics, cached = delta
+        self.token_ids.extend(new_ids)
+        self.text += new_text
+        if new_logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(new_logprobs)
+        completion = CompletionOutput(0, self.text, self.token_ids, reason, stop_reason, self.logprobs, new_text,
+                                      new_ids)
+        return RequestOutput(rid, None, self.prompt, [completion], finished, metrics, cached)
+
+
 def _snapshot(engine) -> Snapshot:
     s, total = engine.scheduler, engine.runner.config.num_blocks - 1
     return Snapshot(len(s.running), len(s.waiting), total - engine.runner.blocks.num_free, total)
@@ -64,8 +107,11 @@ def _snapshot(engine) -> Snapshot:
 
 def _main(config, conn) -> None:
     """The engine process: load, say ready, then step while there is work and apply commands."""
+    import signal
+
     from .config import load_llm
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)    # the server drains on Ctrl-C, then stops us
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         llm = load_llm(config)
@@ -105,10 +151,10 @@ def _main(config, conn) -> None:
                 continue
             live.update(added)
             conn.send(("accepted", group, None))
-        outputs: list[RequestOutput] = []
+        outputs: list[Delta] = []
         if engine.has_unfinished():
             try:
-                outputs = engine.step()
+                results = engine.step()
             except Exception as err:  # noqa: BLE001 (fail these requests, keep serving)
                 logger.exception("fullgraph: an engine step failed")
                 for rid in live:
@@ -118,10 +164,10 @@ def _main(config, conn) -> None:
                         pass
                 live.clear()
                 conn.send(("failed", f"the engine step failed: {type(err).__name__}: {err}"))
-                conn.send(("step", [], [], _snapshot(engine)))
+                conn.send(("step", [], aborted, _snapshot(engine)))
                 continue
-            outputs = [out for out in outputs if out.request_id in live]
-            live.difference_update(out.request_id for out in outputs if out.finished)
+            outputs = [_delta(out) for out in results if out.request_id in live]
+            live.difference_update(out.request_id for out in results if out.finished)
         conn.send(("step", outputs, aborted, _snapshot(engine)))
 
 
@@ -131,7 +177,7 @@ class ProcessEngineLoop:
 
     def __init__(self, config, aloop: asyncio.AbstractEventLoop, metrics: ServerMetrics | None = None) -> None:
         self._config, self._aloop, self._metrics = config, aloop, metrics
-        self._live: dict[str, tuple[Sink, int, float]] = {}       # reader thread only
+        self._live: dict[str, _Mirror] = {}                        # reader thread only
         self._groups: dict[int, tuple[asyncio.Future, Sink, list, float]] = {}
         self._next_group = 0
         self._send_lock = threading.Lock()
@@ -174,13 +220,16 @@ class ProcessEngineLoop:
         self._reader.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Fail what still runs (503) and end the engine process."""
+        """Fail what still runs (503) and end the engine process (also while it still loads)."""
         self._stopped = True
-        self._send(("stop",))
-        self._process.join(timeout)
+        if self._process.is_alive() and self._gone is None:
+            self._send(("stop",))
+            self._process.join(timeout)
         if self._process.is_alive():
             self._process.terminate()
-        self._reader.join(timeout)
+            self._process.join(timeout)
+        if self._reader.is_alive():
+            self._reader.join(timeout)
 
     # ---- the event loop's side ---------------------------------------------------------------
     async def submit(self, items: Sequence[tuple[str, list[int], SamplingParams]], arrival: float) -> Sink:
@@ -192,7 +241,7 @@ class ProcessEngineLoop:
         group, self._next_group = self._next_group, self._next_group + 1
         items = list(items)
         self._groups[group] = (accepted, sink, items, arrival)
-        if not self._send(("add", group, items)):
+        if not self._send(("add", group, items)) or self._gone is not None:  # (gone meanwhile: nobody answers)
             self._groups.pop(group, None)
             raise EngineFailed(self._gone or "the engine process is not running")
         try:
@@ -204,7 +253,7 @@ class ProcessEngineLoop:
 
     def abort(self, sink: Sink) -> None:
         """Stop ``sink``'s unfinished requests and free their pages (idempotent)."""
-        if sink.unfinished:
+        if sink.unfinished and self._gone is None:
             self._send(("abort", list(sink.ids)))
 
     def _send(self, message: tuple) -> bool:
@@ -226,7 +275,7 @@ class ProcessEngineLoop:
                 elif kind == "accepted":
                     self._accepted(*message[1:])
                 elif kind == "failed":
-                    self._fail_all(EngineFailed(message[1]))
+                    self._fail_running(EngineFailed(message[1]))
         except (EOFError, OSError):
             pass
         except BaseException:  # noqa: BLE001 (the thread must not die silently)
@@ -239,46 +288,58 @@ class ProcessEngineLoop:
         self._fail_all(EngineFailed(self._gone))
 
     def _accepted(self, group: int, error) -> None:
-        future, sink, items, arrival = self._groups.pop(group)
+        pending = self._groups.pop(group, None)
+        if pending is None:  # failed meanwhile (the engine went away): nobody waits for it
+            return
+        future, sink, items, arrival = pending
         if error is not None:
             is_value_error, text = error
             self._post(_settle, future, ValueError(text) if is_value_error else EngineFailed(f"could not queue the "
                                                                                              f"request: {text}"))
             return
-        for k, (rid, _, _) in enumerate(items):
-            self._live[rid] = (sink, k, arrival)
+        for k, (rid, prompt, _) in enumerate(items):
+            self._live[rid] = _Mirror(sink, k, arrival, prompt, [])
         if self._metrics is not None:
             self._metrics.prompt_tokens.inc(sum(len(p) for _, p, _ in items))
         self._post(_settle, future, None)
 
-    def _step(self, outputs: list[RequestOutput], aborted: list[str], snapshot: Snapshot) -> None:
+    def _step(self, deltas: list[Delta], aborted: list[str], snapshot: Snapshot) -> None:
         batch = []
-        for out in outputs:
-            entry = self._live.get(out.request_id)
-            if entry is None:
+        for delta in deltas:
+            mirror = self._live.get(delta[0])
+            if mirror is None:
                 continue
-            batch.append((entry[0], entry[1], out))
+            out = mirror.apply(delta)
+            batch.append((mirror.sink, mirror.choice, out))
             if out.finished:
                 del self._live[out.request_id]
                 if self._metrics is not None:
-                    self._metrics.request_finished(out, entry[2])
+                    self._metrics.request_finished(out, mirror.arrival)
         for rid in aborted:
             if self._live.pop(rid, None) is not None and self._metrics is not None:
                 self._metrics.finished.labels("abort").inc()
-        if self._metrics is not None and outputs:
-            self._metrics.generation_tokens.inc(len(outputs))
+        if self._metrics is not None and deltas:
+            self._metrics.generation_tokens.inc(len(deltas))
         self.snapshot = snapshot
         if batch:
             self._post(_deliver, batch)
 
-    def _fail_all(self, error: Exception) -> None:
-        sinks = {id(sink): sink for sink, _, _ in self._live.values()}
+    def _fail_running(self, error: Exception) -> None:
+        """Fail the requests the engine ran (a step failed); queued groups stay queued."""
+        sinks = {id(m.sink): m.sink for m in self._live.values()}
         self._live.clear()
-        for future, sink, _, _ in list(self._groups.values()):
-            self._post(_settle, future, error)
-        self._groups.clear()
         for sink in sinks.values():
             self._post(sink.fail, error)
+
+    def _fail_all(self, error: Exception) -> None:
+        """The engine is gone: fail what runs and every group still waiting for its answer."""
+        self._fail_running(error)
+        while self._groups:
+            try:
+                _, (future, _, _, _) = self._groups.popitem()
+            except KeyError:
+                break
+            self._post(_settle, future, error)
 
     def _post(self, fn, *args) -> None:
         try:

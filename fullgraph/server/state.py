@@ -28,6 +28,8 @@ class ServerState:
         self._in_process = loader is not None or not config.engine_process
         self._loader = loader or (lambda: load_llm(config))
         self.tokenizer = self.info = self.loop = self.served = self.vocab = None
+        self._loading: ProcessEngineLoop | None = None   # the engine process until it is ready
+        self._closed = False
         self.load_error: str | None = None
         self.on_load_error: Callable[[str], None] | None = None
         # one tokenizer thread: the tokenizer is not used from two threads at once, and a long
@@ -46,11 +48,17 @@ class ServerState:
                 loop = EngineLoop(llm.engine, aloop, self.metrics)
                 self._ready(info_of(llm), llm.tokenizer, loop)
             else:
-                loop = ProcessEngineLoop(self.config, aloop, self.metrics)
+                self._loading = loop = ProcessEngineLoop(self.config, aloop, self.metrics)
                 loop.launch()                                 # the engine process loads the model ...
                 tokenizer = load_server_tokenizer(self.config)  # ... while this one loads the tokenizer
-                self._ready(loop.wait_ready(), tokenizer, loop)
+                info = loop.wait_ready()
+                if self._closed:
+                    loop.stop()
+                    return
+                self._ready(info, tokenizer, loop)
         except Exception as err:  # noqa: BLE001 (reported; the command exits with it)
+            if self._loading is not None:  # an engine process that loads, or loaded, for nothing
+                self._loading.stop()
             self.load_error = f"{type(err).__name__}: {err}" if not isinstance(err, ValueError) else str(err)
             logger.error("fullgraph: loading the model failed: %s", self.load_error)
             if self.on_load_error is not None:
@@ -73,8 +81,11 @@ class ServerState:
                     "in this process" if self._in_process else "in its own process")
 
     def close(self) -> None:
+        self._closed = True
         if self.loop is not None:
             self.loop.stop()
+        elif self._loading is not None:  # stopping while the engine process still loads
+            self._loading.stop()
         self._tokenize.shutdown(wait=False, cancel_futures=True)
 
     def require_ready(self) -> None:
