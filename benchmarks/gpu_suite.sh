@@ -10,6 +10,7 @@
 #   needs fastapi, starlette, pydantic, pydantic-core, uvicorn, httptools, annotated-types, typing-inspection,
 #   typing-extensions and opentelemetry-api carried as wheels)
 #   sanitize-fresh (initcheck over producer -> consumer probes on fresh memory; racecheck over toy Phi-3-Small)
+#   norm-linear (RMSNorm fused into the one-row linear vs the two launches, and its tests in bf16)
 # Logs and JSON land in $OUT (or ./out); each part has its own time limit so a call stays bounded.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -115,6 +116,10 @@ capture-cold)  # every default size on an empty Triton cache: compiled ahead, th
                 python3 benchmarks/capture_breakdown.py --preset $preset --out "$OUT/capture_${preset}_w$workers.json"
         done
     done
+    ;;
+norm-linear)  # RMSNorm fused into the one-row linear against the two launches it replaces (issue 31)
+    run norm_linear 120 python3 benchmarks/bench_norm_linear.py --out "$OUT/norm_linear.json"
+    run norm_linear_tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_norm_linear.py
     ;;
 sanitize-fresh)  # initcheck over the probes, every finding printed: does the tool see cuBLAS's writes into fresh memory?
     SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
