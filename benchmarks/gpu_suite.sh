@@ -117,7 +117,7 @@ capture-cold)  # every default size on an empty Triton cache: compiled ahead, th
         done
     done
     ;;
-norm-linear)  # RMSNorm fused into the one-row linear against the two launches it replaces (issue 31)
+norm-linear)  # RMSNorm fused into the one-row linear against the two launches it replaces
     run norm_linear 120 python3 benchmarks/bench_norm_linear.py --out "$OUT/norm_linear.json"
     run norm_linear_tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_norm_linear.py
     ;;

@@ -1,8 +1,8 @@
 """RMSNorm (optionally after the residual add) fused into the one-row linear after it: the norm
 and the projection of a decode row in one launch instead of two.
 
-A batch-1 decode step runs two norms a decoder layer, each its own launch (issue 31 counts nine
-kernels a layer); the row they normalise is a few KB and every program of the projection reads it
+A batch-1 decode step runs two norms a decoder layer, each its own launch (of about nine kernels
+a layer); the row they normalise is a few KB and every program of the projection reads it
 anyway. So each program here normalises the row itself before streaming its weight columns.
 
 Algorithm, for the one row x (K,) (and residual r), with g the norm weight::
