@@ -25,6 +25,43 @@ from . import compile_ahead, pdl
 from .._compat import custom_op
 
 
+@triton.jit
+def columns(pid, N, ACT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The weight rows program ``pid`` reads (and which exist): BLOCK_N consecutive rows, or with
+    SwiGLU (ACT 2) gate row c and up row c interleaved, so each program's pairs are adjacent."""
+    j = tl.arange(0, BLOCK_N)
+    if ACT == 2:  # [gate | up] halves: local rows interleave gate row c and up row c
+        col = pid * (BLOCK_N // 2) + j // 2
+        rn = (j % 2) * (N // 2) + col
+        n_ok = col < N // 2
+    else:
+        rn = pid * BLOCK_N + j
+        n_ok = rn < N
+    return rn, n_ok
+
+
+@triton.jit
+def store(acc, out_ptr, M, stride_om, pid, rn, n_ok, N, limit, ACT: tl.constexpr, BLOCK_M: tl.constexpr,
+          BLOCK_N: tl.constexpr):
+    """Store the (BLOCK_M, BLOCK_N) float32 results of :func:`columns`' rows, through the gated
+    activation when ACT is 1 (GeGeLU over adjacent pairs) or 2 (SwiGLU)."""
+    rm = tl.arange(0, BLOCK_M)
+    if ACT == 0:
+        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=(rm < M)[:, None] & n_ok[None, :])
+    else:  # pairs (a, b) are adjacent local columns
+        a, b = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
+        if ACT == 1:  # GeGeLU: a = min(a, limit), b = clamp(b, -limit, limit), infinities unchanged
+            a = tl.where(a == float("inf"), a, tl.minimum(a, limit))
+            b = tl.where((b == float("inf")) | (b == -float("inf")), b, tl.minimum(tl.maximum(b, -limit), limit))
+            y = a * tl.sigmoid(1.702 * a) * (b + 1.0)
+        else:  # SwiGLU
+            y = a * tl.sigmoid(a) * b
+        oc = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(out_ptr + rm[:, None] * stride_om + oc[None, :], y.to(out_ptr.dtype.element_ty),
+                 mask=(rm < M)[:, None] & (oc < N // 2)[None, :])
+
+
 @compile_ahead.kernel
 @triton.jit
 def _linear_kernel(
@@ -35,14 +72,7 @@ def _linear_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    j = tl.arange(0, BLOCK_N)
-    if ACT == 2:  # [gate | up] halves: local rows interleave gate row c and up row c
-        col = pid * (BLOCK_N // 2) + j // 2
-        rn = (j % 2) * (N // 2) + col
-        n_ok = col < N // 2
-    else:
-        rn = pid * BLOCK_N + j
-        n_ok = rn < N
+    rn, n_ok = columns(pid, N, ACT, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
     # The first weight tile and the bias are parameters: load them before waiting for x.
@@ -74,21 +104,7 @@ def _linear_kernel(
             acc = tl.dot(x, tl.trans(w), acc)
     if HAS_BIAS:
         acc += bias[None, :]
-    rm = tl.arange(0, BLOCK_M)
-    if ACT == 0:
-        tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=(rm < M)[:, None] & n_ok[None, :])
-    else:  # pairs (a, b) are adjacent local columns
-        a, b = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
-        if ACT == 1:  # GeGeLU: a = min(a, limit), b = clamp(b, -limit, limit), infinities unchanged
-            a = tl.where(a == float("inf"), a, tl.minimum(a, limit))
-            b = tl.where((b == float("inf")) | (b == -float("inf")), b, tl.minimum(tl.maximum(b, -limit), limit))
-            y = a * tl.sigmoid(1.702 * a) * (b + 1.0)
-        else:  # SwiGLU
-            y = a * tl.sigmoid(a) * b
-        oc = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        tl.store(out_ptr + rm[:, None] * stride_om + oc[None, :], y.to(out_ptr.dtype.element_ty),
-                 mask=(rm < M)[:, None] & (oc < N // 2)[None, :])
+    store(acc, out_ptr, M, stride_om, pid, rn, n_ok, N, limit, ACT, BLOCK_M, BLOCK_N)
 
 
 def launch_config(n: int) -> tuple[int, int, int]:

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from . import compile_ahead, pdl
 from .._compat import custom_op
-from .linear import ACTIVATIONS, NO_LIMIT, launch_config
+from .linear import ACTIVATIONS, NO_LIMIT, columns, launch_config, store
 
 
 @compile_ahead.kernel
@@ -42,14 +42,7 @@ def _norm_linear_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    j = tl.arange(0, BLOCK_N)
-    if ACT == 2:  # [gate | up] halves: local rows interleave gate row c and up row c
-        col = pid * (BLOCK_N // 2) + j // 2
-        rn = (j % 2) * (N // 2) + col
-        n_ok = col < N // 2
-    else:
-        rn = pid * BLOCK_N + j
-        n_ok = rn < N
+    rn, n_ok = columns(pid, N, ACT, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
     k_ok = rk < K
@@ -85,18 +78,7 @@ def _norm_linear_kernel(
         acc += tl.sum(w.to(tl.float32) * y.to(tl.float32)[None, :], axis=1)
     if HAS_BIAS:
         acc += bias
-    if ACT == 0:
-        tl.store(out_ptr + rn, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
-    else:  # pairs (a, b) are adjacent local columns
-        a, b = tl.split(tl.reshape(acc, (BLOCK_N // 2, 2)))
-        if ACT == 1:  # GeGeLU: a = min(a, limit), b = clamp(b, -limit, limit), infinities unchanged
-            a = tl.where(a == float("inf"), a, tl.minimum(a, limit))
-            b = tl.where((b == float("inf")) | (b == -float("inf")), b, tl.minimum(tl.maximum(b, -limit), limit))
-            out = a * tl.sigmoid(1.702 * a) * (b + 1.0)
-        else:  # SwiGLU
-            out = a * tl.sigmoid(a) * b
-        oc = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        tl.store(out_ptr + oc, out.to(out_ptr.dtype.element_ty), mask=oc < N // 2)
+    store(acc[None, :], out_ptr, 1, 0, pid, rn, n_ok, N, limit, ACT, 1, BLOCK_N)
 
 
 def _check(x, residual, norm_weight, w, b, activation) -> None:
