@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session in few calls: `bash benchmarks/gpu_suite.sh PART...` with PART in
-#   env tests tests-all targets kernels linear pdl-ab sdpa-ab diag profile-phi3 core core-fast phi3 phi3-fast capture
+#   env tests tests-all targets kernels linear pdl-ab sdpa-ab diag profile profile-phi3 core core-fast phi3 phi3-fast capture
 #   capture-ahead compile compile-time final
 #   baseline (decode rows of the tree in .base/, e.g. `git archive <commit> fullgraph | tar -x -C .base`, beside ours)
 #   peers (the decode table beside a naive whole-model graph and reduce-overhead) window serve engine (sampling, mask) sanitize
@@ -156,9 +156,17 @@ kernels)
     ;;
 diag)
     run doctor 100 python3 -m fullgraph doctor --attention sdpa --modes none padded full compile compile-padded
-    for b in 1 32; do
-        run "profile_llama1b_b$b" 45 python3 benchmarks/profile_step.py --preset llama-1b --batch $b --out "$OUT/profile_b$b.json"
-    done
+    run profile_llama1b 60 python3 benchmarks/profile_step.py --preset llama-1b --batch 1 32 --out "$OUT/profile_llama1b.json"
+    ;;
+profile)  # the decode step's kernels counted and timed by kind (benchmarks/profile_step.py)
+    run profile_llama1b 70 python3 benchmarks/profile_step.py --preset llama-1b --batch 1 32 --context 1024 \
+        --out "$OUT/profile_llama1b.json"
+    run profile_smollm2 60 python3 benchmarks/profile_step.py --preset smollm2-135m --batch 1 32 --context 1024 \
+        --out "$OUT/profile_smollm2.json"
+    run profile_llama8b 90 python3 benchmarks/profile_step.py --preset llama-8b --batch 1 --context 1024 \
+        --out "$OUT/profile_llama8b.json"
+    run profile_phi3 90 python3 benchmarks/profile_step.py --preset phi3-small-8k --batch 1 --context 2048 \
+        --out "$OUT/profile_phi3.json"
     ;;
 linear)
     run bench_linear 90 python3 benchmarks/bench_linear.py --out "$OUT/bench_linear.json"
