@@ -125,7 +125,7 @@ sanitize-fresh)  # initcheck over the probes, every finding printed: does the to
     SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
     run sanitize_fresh 60 "$SAN" --tool initcheck --show-backtrace no --print-limit 5000 python3 benchmarks/sanitize.py \
         --driver --probe
-    grep "^driver\|^=========     at" "$OUT/sanitize_fresh.log" | uniq -c | tee "$OUT/sanitize_fresh_summary.txt"
+    grep "^driver\|^probe\|^=========     at" "$OUT/sanitize_fresh.log" | uniq -c | tee "$OUT/sanitize_fresh_summary.txt"
     run race_phi3 100 python3 benchmarks/sanitize.py --only "toy-phi3-small triton" --tools racecheck --timeout 95 \
         --out "$OUT/race_phi3.json"
     ;;
@@ -167,6 +167,10 @@ profile)  # the decode step's kernels counted and timed by kind (benchmarks/prof
         --out "$OUT/profile_llama8b.json"
     run profile_phi3 90 python3 benchmarks/profile_step.py --preset phi3-small-8k --batch 1 --context 2048 \
         --out "$OUT/profile_phi3.json"
+    for preset in llama-1b smollm2-135m llama-8b; do  # times that add up: no programmatic dependent launch
+        FULLGRAPH_PDL=0 run "profile_${preset}_nopdl" 70 python3 benchmarks/profile_step.py --preset $preset --batch 1 32 \
+            --context 1024 --out "$OUT/profile_${preset}_nopdl.json"
+    done
     ;;
 linear)
     run bench_linear 90 python3 benchmarks/bench_linear.py --out "$OUT/bench_linear.json"

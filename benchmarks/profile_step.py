@@ -6,7 +6,9 @@ then profiles ``--replays`` replays of the graph alone (no host work). Per kerne
 (linears, LM head, attention, norms, ...): launches per step and per decoder layer, device
 time, the bytes the kind must move (weights, KV; "-" for the small kernels, whose bytes are
 activations) and the bandwidth that makes, and the sum of the kernels against the replay's own
-time (the difference is the gaps between launches). ``--mode padded`` profiles the same step run
+time (the difference is the gaps between launches; with programmatic dependent launch on, a
+kernel's time includes its wait for the one ahead, so run with ``FULLGRAPH_PDL=0`` for times
+that add up). ``--mode padded`` profiles the same step run
 eagerly over the padded buffers instead (host launches included in the gaps). Prints tables and
 writes JSON; a script, not a test.
 """
@@ -139,14 +141,18 @@ def profile_batch(model, args, batch: int) -> dict:
     del runner
     gc.collect()
     torch.cuda.empty_cache()
+    from fullgraph.kernels import pdl
     return {"preset": args.preset, "batch": batch, "context": args.context, "mode": args.mode,
-            "attention": args.attention, **result}
+            "attention": args.attention, "pdl": pdl._enabled(torch.cuda.current_device()), **result}
 
 
 def print_result(r: dict) -> None:
     print(f"\n{r['preset']} batch {r['batch']} context {r['context']} {r['mode']} ({r['attention']}): "
           f"{r['launches']} launches a step, {r['launches_per_layer']:.1f} a decoder layer; kernels "
           f"{r['kernels_ms']:.3f} ms, replay {r['replay_ms']:.3f} ms, gaps {r['gaps_ms']:.3f} ms")
+    if r.get("pdl"):
+        print("programmatic dependent launch is on: a kernel starts before the one ahead ends and its time "
+              "includes that wait (FULLGRAPH_PDL=0 for times that add up to the replay)")
     print(f"{'kind':18s} {'ms':>8s} {'share':>6s} {'launches':>8s} {'/layer':>6s} {'MB':>9s} {'TB/s':>6s}")
     for k in r["kinds"]:
         per_layer = f"{k['per_layer']:.1f}" if k["per_layer"] is not None else "-"

@@ -28,8 +28,8 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 TOOLS = ("memcheck", "initcheck", "racecheck", "synccheck")
-_HEADER = re.compile(r"^========= (?!\s)(?!ERROR SUMMARY)(?!RACECHECK SUMMARY)(.+)$")
-_AT = re.compile(r"^=========\s+at (?:0x[0-9a-f]+ in )?([^\s+]+)(?:\+0x[0-9a-f]+)?(?: in (\S+))?")
+_HEADER = re.compile(r"^========= (?!\s)(?!ERROR SUMMARY)(?!RACECHECK SUMMARY)(?!COMPUTE-SANITIZER\s*$)(.+)$")
+_AT = re.compile(r"^=========\s+at (?:0x[0-9a-f]+ in )?(?:void )?(.+?)(?:\(.*?)?(?:\+0x[0-9a-f]+)?(?: in (\S+))?\s*$")
 _SUMMARY = re.compile(r"(?:ERROR|RACECHECK) SUMMARY: (\d+)")
 
 
@@ -282,6 +282,12 @@ def run_tool(tool: str, timeout: int, driver_args: list[str]) -> dict:
         out, rc = done.stdout + done.stderr, done.returncode
     except subprocess.TimeoutExpired as err:
         out, rc = (err.stdout or b"").decode() + (err.stderr or b"").decode(), -1
+    return {"tool": tool, "rc": rc, "seconds": time.perf_counter() - start, **parse(out)}
+
+
+def parse(out: str) -> dict:
+    """A tool's output -> findings: total (its summary line), kernel -> count, each kernel's first
+    source line and kinds of finding, the findings per driver phase, the first findings in full."""
     kernels, first, kinds, phases = Counter(), {}, defaultdict(Counter), defaultdict(Counter)
     lines, phase = out.splitlines(), "start"
     for i, line in enumerate(lines):
@@ -298,7 +304,7 @@ def run_tool(tool: str, timeout: int, driver_args: list[str]) -> dict:
         first.setdefault(kernel, (at.group(2) if at and at.group(2) else "?"))
     total = sum(int(m.group(1)) for m in _SUMMARY.finditer(out))
     first_block = "\n".join([l for l in lines if l.startswith("=========")][:40])
-    return {"tool": tool, "total": total, "rc": rc, "seconds": time.perf_counter() - start, "kernels": dict(kernels),
+    return {"total": total, "kernels": dict(kernels),
             "first_line": first, "kinds": {k: dict(v) for k, v in kinds.items()}, "first_block": first_block,
             "phases": {k: dict(v) for k, v in phases.items()},
             "tail": "\n".join(l for l in lines if not l.startswith("=========") and "driver:" not in l)[-1500:]}
