@@ -33,10 +33,39 @@ _AT = re.compile(r"^=========\s+at (?:0x[0-9a-f]+ in )?(?:void )?(.+?)(?:\(.*?)?
 _SUMMARY = re.compile(r"(?:ERROR|RACECHECK) SUMMARY: (\d+)")
 
 
-def drive(quick: bool, only: str | None = None) -> None:
+def zero_matmul_outputs():
+    """A dispatch mode that has cuBLAS write every matrix product into memory zero-filled first
+    (the ``out=`` overload). initcheck does not see cuBLAS's stores on Hopper, so a kernel reading
+    a product in memory nothing else wrote is flagged, PyTorch's own kernels alike (``--probe``
+    shows it); under this mode such reads are of initialised memory, and what initcheck still
+    finds is a read the libraries' stores do not explain."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    aten = torch.ops.aten
+    shapes = {aten.mm.default: lambda a, b: (a.shape[0], b.shape[1]),
+              aten.addmm.default: lambda c, a, b: (a.shape[0], b.shape[1]),
+              aten.bmm.default: lambda a, b: (a.shape[0], a.shape[1], b.shape[2]),
+              aten.baddbmm.default: lambda c, a, b: (a.shape[0], a.shape[1], b.shape[2])}
+
+    class ZeroMatmulOutputs(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            shape = shapes.get(func)
+            if shape is None or "out" in kwargs or args[-1].device.type != "cuda":
+                return func(*args, **kwargs)
+            out = torch.zeros(shape(*args[:3]), dtype=args[-1].dtype, device=args[-1].device)
+            return func.overloadpacket.out(*args, **kwargs, out=out)
+
+    return ZeroMatmulOutputs()
+
+
+def drive(quick: bool, only: str | None = None, zero_matmul: bool = False) -> None:
     import torch
 
     import fullgraph as fg
+
+    control = zero_matmul_outputs if zero_matmul else contextlib.nullcontext
 
     def steps(runner) -> None:
         gen = torch.Generator().manual_seed(0)
@@ -85,8 +114,9 @@ def drive(quick: bool, only: str | None = None) -> None:
                 if only and only not in f"{name} {backend} {mode}":
                     continue
                 print(f"driver: {name} {backend} {mode}", flush=True)
-                steps(fg.FullGraphRunner(model, attention=backend, cudagraph=mode, **limits))
-        if quick or only:
+                with control():
+                    steps(fg.FullGraphRunner(model, attention=backend, cudagraph=mode, **limits))
+        if quick or only or zero_matmul:   # Dynamo does not trace under a dispatch mode: compile runs without it
             continue
         runner = fg.FullGraphRunner(model, attention="triton", cudagraph="full", compile=True, **limits)
         print(f"driver: {name} triton full compile", flush=True)
@@ -317,6 +347,9 @@ def main() -> int:
     parser.add_argument("--timeout", type=int, default=900, help="seconds per tool")
     parser.add_argument("--quick", action="store_true", help="toy-llama and toy Phi-3-Small on the triton backend only")
     parser.add_argument("--probe", action="store_true", help="isolated producer -> consumer pairs instead")
+    parser.add_argument("--zero-matmul-outputs", action="store_true",
+                        help="a control for initcheck: cuBLAS writes every matrix product into zero-filled memory "
+                             "(initcheck does not see its stores); the compile=True steps are left out")
     parser.add_argument("--trace", nargs="?", const="print", default=None, choices=("print", "quiet", "off", "nowarm"),
                         help=argparse.SUPPRESS)  # with --driver: trace(mode)
     parser.add_argument("--only", default=None, help="run only the driver phases whose 'model backend mode' "
@@ -324,9 +357,11 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
     if args.driver:
-        trace(args.trace) if args.trace else probe() if args.probe else drive(args.quick, args.only)
+        trace(args.trace) if args.trace else probe() if args.probe else drive(args.quick, args.only,
+                                                                                     args.zero_matmul_outputs)
         return 0
-    driver_args = ["--quick"] * args.quick + ["--probe"] * args.probe + (["--only", args.only] if args.only else [])
+    driver_args = (["--quick"] * args.quick + ["--probe"] * args.probe + (["--only", args.only] if args.only else [])
+                   + ["--zero-matmul-outputs"] * args.zero_matmul_outputs)
     results = [run_tool(tool, args.timeout, driver_args) for tool in args.tools]
     print(f"{'tool':<10} {'findings':>9} {'kernel':<40} {'count':>7}  first source line")
     for r in results:
