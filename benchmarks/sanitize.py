@@ -34,28 +34,37 @@ _SUMMARY = re.compile(r"(?:ERROR|RACECHECK) SUMMARY: (\d+)")
 
 
 def zero_matmul_outputs():
-    """A dispatch mode that has cuBLAS write every matrix product into memory zero-filled first
-    (the ``out=`` overload). initcheck does not see cuBLAS's stores on Hopper, so a kernel reading
-    a product in memory nothing else wrote is flagged, PyTorch's own kernels alike (``--probe``
-    shows it); under this mode such reads are of initialised memory, and what initcheck still
-    finds is a read the libraries' stores do not explain."""
+    """A function mode that has cuBLAS write every matrix product (``F.linear``, ``@``, ``mm``,
+    ``matmul``) into memory zero-filled first (the ``out=`` form). initcheck does not see cuBLAS's
+    stores on Hopper, so a kernel reading a product in memory nothing else wrote is flagged,
+    PyTorch's own kernels alike (``--probe`` shows it); under this mode such reads are of
+    initialised memory, and what initcheck still finds is a read those stores do not explain.
+    A function mode, not a dispatch mode: under a dispatch mode our custom ops run as registered
+    ops, and the products inside them would escape it."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
 
-    aten = torch.ops.aten
-    shapes = {aten.mm.default: lambda a, b: (a.shape[0], b.shape[1]),
-              aten.addmm.default: lambda c, a, b: (a.shape[0], b.shape[1]),
-              aten.bmm.default: lambda a, b: (a.shape[0], a.shape[1], b.shape[2]),
-              aten.baddbmm.default: lambda c, a, b: (a.shape[0], a.shape[1], b.shape[2])}
+    def product(a, b, bias=None):   # a (..., K) @ b (K, N) [+ bias] into zeros
+        rows = a.reshape(-1, a.shape[-1])
+        out = torch.zeros(rows.shape[0], b.shape[1], dtype=a.dtype, device=a.device)
+        if bias is None:
+            torch.mm(rows, b, out=out)
+        else:
+            torch.addmm(bias, rows, b, out=out)
+        return out.view(*a.shape[:-1], b.shape[1])
 
-    class ZeroMatmulOutputs(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    matmuls = {torch.mm, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.mm}
+
+    class ZeroMatmulOutputs(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
-            shape = shapes.get(func)
-            if shape is None or "out" in kwargs or args[-1].device.type != "cuda":
-                return func(*args, **kwargs)
-            out = torch.zeros(shape(*args[:3]), dtype=args[-1].dtype, device=args[-1].device)
-            return func.overloadpacket.out(*args, **kwargs, out=out)
+            if func is F.linear and not kwargs and args[0].is_cuda and args[1].dim() == 2:
+                return product(args[0], args[1].t(), args[2] if len(args) > 2 else None)
+            if (func in matmuls and not kwargs and len(args) == 2 and args[0].is_cuda and args[1].dim() == 2
+                    and args[0].dim() >= 2):
+                return product(args[0], args[1])
+            return func(*args, **kwargs)
 
     return ZeroMatmulOutputs()
 
@@ -116,7 +125,7 @@ def drive(quick: bool, only: str | None = None, zero_matmul: bool = False) -> No
                 print(f"driver: {name} {backend} {mode}", flush=True)
                 with control():
                     steps(fg.FullGraphRunner(model, attention=backend, cudagraph=mode, **limits))
-        if quick or only or zero_matmul:   # Dynamo does not trace under a dispatch mode: compile runs without it
+        if quick or only or zero_matmul:   # the compile=True steps run without the control
             continue
         runner = fg.FullGraphRunner(model, attention="triton", cudagraph="full", compile=True, **limits)
         print(f"driver: {name} triton full compile", flush=True)
