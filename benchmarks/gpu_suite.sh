@@ -10,7 +10,7 @@
 #   needs fastapi, starlette, pydantic, pydantic-core, uvicorn, httptools, annotated-types, typing-inspection,
 #   typing-extensions and opentelemetry-api carried as wheels)
 #   sanitize-fresh (initcheck over producer -> consumer probes on fresh memory; racecheck over toy Phi-3-Small)
-#   norm-linear (RMSNorm fused into the one-row linear vs the two launches, and its tests in bf16)
+#   sanitize-control (initcheck, every matrix product written into zero-filled memory first)
 # Logs and JSON land in $OUT (or ./out); each part has its own time limit so a call stays bounded.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -117,10 +117,6 @@ capture-cold)  # every default size on an empty Triton cache: compiled ahead, th
         done
     done
     ;;
-norm-linear)  # RMSNorm fused into the one-row linear against the two launches it replaces
-    run norm_linear 120 python3 benchmarks/bench_norm_linear.py --out "$OUT/norm_linear.json"
-    run norm_linear_tests 120 python3 -m pytest -q -p no:cacheprovider tests/test_norm_linear.py
-    ;;
 sanitize-fresh)  # initcheck over the probes, every finding printed: does the tool see cuBLAS's writes into fresh memory?
     SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
     run sanitize_fresh 60 "$SAN" --tool initcheck --show-backtrace no --print-limit 5000 python3 benchmarks/sanitize.py \
@@ -128,6 +124,10 @@ sanitize-fresh)  # initcheck over the probes, every finding printed: does the to
     grep "^driver\|^probe\|^=========     at" "$OUT/sanitize_fresh.log" | uniq -c | tee "$OUT/sanitize_fresh_summary.txt"
     run race_phi3 100 python3 benchmarks/sanitize.py --only "toy-phi3-small triton" --tools racecheck --timeout 95 \
         --out "$OUT/race_phi3.json"
+    ;;
+sanitize-control)  # initcheck with every matrix product written into zero-filled memory: what cuBLAS's stores do not explain
+    run sanitize_control 100 python3 benchmarks/sanitize.py --tools initcheck --zero-matmul-outputs --timeout 90 \
+        --out "$OUT/sanitize_control.json"
     ;;
 sanitize-all)
     run sanitize_all 580 python3 benchmarks/sanitize.py --timeout 140 --out "$OUT/sanitize_all.json"

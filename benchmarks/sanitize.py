@@ -39,6 +39,8 @@ def zero_matmul_outputs():
     stores on Hopper, so a kernel reading a product in memory nothing else wrote is flagged,
     PyTorch's own kernels alike (``--probe`` shows it); under this mode such reads are of
     initialised memory, and what initcheck still finds is a read those stores do not explain.
+    ``F.scaled_dot_product_attention`` (the reference backend) runs on PyTorch's FlashAttention
+    kernel instead of cuDNN's meanwhile, for the same reason.
     A function mode, not a dispatch mode: under a dispatch mode our custom ops run as registered
     ops, and the products inside them would escape it."""
     import torch
@@ -57,6 +59,15 @@ def zero_matmul_outputs():
     matmuls = {torch.mm, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.mm}
 
     class ZeroMatmulOutputs(TorchFunctionMode):
+        def __enter__(self):   # and PyTorch's attention on its FlashAttention kernel, not cuDNN's
+            self.cudnn_sdp = torch.backends.cuda.cudnn_sdp_enabled()
+            torch.backends.cuda.enable_cudnn_sdp(False)
+            return super().__enter__()
+
+        def __exit__(self, *exc):
+            torch.backends.cuda.enable_cudnn_sdp(self.cudnn_sdp)
+            return super().__exit__(*exc)
+
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             if func is F.linear and not kwargs and args[0].is_cuda and args[1].dim() == 2:

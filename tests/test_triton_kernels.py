@@ -182,34 +182,6 @@ def test_split_kv_matches_unsplit(splits):
     torch.testing.assert_close(split, run(b), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("splits", [2, 5, 16])
-def test_split_kv_merged_in_the_same_launch(splits):
-    """With split counters the last split of each (request, KV head) merges: the same rows as the
-    separate reduce (empty splits, padded requests, NaN-poisoned workspaces), every counter back
-    to zero afterwards, and a second launch over the same counters (a graph replay) equal again."""
-    b = make_batch([(c, 1) for c in (0, 16, 40, 95)], heads=(4, 2), pad_tokens=2, pad_reqs=2, decode=True, seed=5)
-    part_out, part_lse = workspaces(b, splits)
-    separate = run(b, num_splits=splits, part_out=part_out, part_lse=part_lse)
-    counts = torch.zeros(b.block_table.shape[0] * b.kv_cache.shape[3] + 3, dtype=torch.int32, device=b.q.device)
-    for _ in range(2):
-        part_out.fill_(NAN), part_lse.fill_(NAN)
-        fused = run(b, num_splits=splits, part_out=part_out, part_lse=part_lse, split_counts=counts)
-        check(fused, b)
-        torch.testing.assert_close(fused, separate, atol=1e-6, rtol=1e-6)
-        assert (counts == 0).all(), "a counter was not reset: the next step would merge too early"
-
-
-def test_split_counters_refused_when_too_small():
-    b = make_batch([(8, 1), (3, 1)], heads=(4, 2), decode=True, seed=9)
-    part_out, part_lse = workspaces(b, 2)
-    with pytest.raises(ValueError, match="split_counts must be int32 with at least R \\* KVH = 4"):
-        run(b, num_splits=2, part_out=part_out, part_lse=part_lse,
-            split_counts=torch.zeros(3, dtype=torch.int32, device=b.q.device))
-    with pytest.raises(ValueError, match="split_counts must be int32"):
-        run(b, num_splits=2, part_out=part_out, part_lse=part_lse,
-            split_counts=torch.zeros(8, dtype=torch.int64, device=b.q.device))
-
-
 def test_split_count_is_static_and_fits_workspace():
     sms, kv_heads, max_len = 8, 2, 4096
     counts = [num_kv_splits(r, kv_heads, max_len, sms) for r in range(1, 33)]
@@ -314,12 +286,7 @@ def test_opcheck():
     part_out, part_lse = workspaces(b, 1)
     torch.library.opcheck(torch.ops.fullgraph.paged_attention.default,
                           (b.q, b.kv_cache, b.query_start_loc, b.seq_lens, b.block_table, part_out, part_lse,
-                           torch.zeros(0, dtype=torch.int32, device=b.q.device), 0.25, False, 1, 16, 16, 1, 1))
-    d = make_batch([(9, 1), (20, 1)], heads=(2, 1), head_dim=16, decode=True, seed=14)
-    part_out, part_lse = workspaces(d, 3)
-    torch.library.opcheck(torch.ops.fullgraph.paged_attention.default,   # splits merged in the launch
-                          (d.q, d.kv_cache, d.query_start_loc, d.seq_lens, d.block_table, part_out, part_lse,
-                           torch.zeros(2, dtype=torch.int32, device=d.q.device), 0.25, True, 3, 16, 16, 1, 1))
+                           0.25, False, 1, 16, 16, 1, 1))
     cache = torch.zeros_like(b.kv_cache)
     torch.library.opcheck(torch.ops.fullgraph.kv_write.default, (b.k, b.v, cache, b.slot_mapping))
 

@@ -9,7 +9,6 @@ from .kv_write import kv_write
 from .linear import NO_LIMIT as linear_no_limit
 from .linear import linear
 from .norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
-from .norm_linear import rms_norm_linear
 from .paged_attention import (KernelConfig, default_config, num_kv_splits, paged_attention,
                               split_workspace_rows)
 from .rope import rope
@@ -17,5 +16,5 @@ from .rope_kv_write import rope_kv_write
 from .split_kv_reduce import split_kv_reduce
 
 __all__ = ["KernelConfig", "add_layer_norm", "add_rms_norm", "default_config", "gegelu", "kv_write",
-           "layer_norm", "linear", "linear_no_limit", "num_kv_splits", "paged_attention", "rms_norm", "rms_norm_linear", "rope",
+           "layer_norm", "linear", "linear_no_limit", "num_kv_splits", "paged_attention", "rms_norm", "rope",
            "rope_kv_write", "silu_and_mul", "split_kv_reduce", "split_workspace_rows"]

@@ -53,9 +53,6 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     kinds = frozenset({"dense"})
     kv_write = "kernel"
-    # Split-KV decode merges its splits in the attention launch (the last split to finish, through
-    # a counter) instead of a second launch: one kernel fewer per layer. Read at construction.
-    fuse_split_reduce = True
     policy = PaddingPolicy(
         name="triton",
         reads=frozenset({"query_start_loc", "seq_lens", "block_table", "slot_mapping"}),
@@ -86,11 +83,6 @@ class TritonBackend(AttentionBackend):
         # its rows before the reduce reads them, so validate mode may poison them (workspaces).
         self.part_out = torch.empty(out_numel, dtype=torch.float32, device=device)
         self.part_lse = torch.empty(lse_numel, dtype=torch.float32, device=device)
-        # One arrival counter per (request, KV head): the last split to finish merges the splits in
-        # the attention launch itself and sets its counter back to zero. Never poisoned or reused.
-        kv_heads = max(layer.num_kv_heads for layer in layers)
-        self.split_counts = (torch.zeros(limits.max_num_seqs * kv_heads, dtype=torch.int32, device=device)
-                             if self.fuse_split_reduce else None)
 
     @classmethod
     def unsupported_reason(cls, device: torch.device, dtype: torch.dtype, layers: list) -> str | None:
@@ -131,4 +123,4 @@ class TritonBackend(AttentionBackend):
         splits = self.num_splits(block_table.shape[0], layer.num_kv_heads, window) if decode else 1
         return paged_attention(q, kv_cache, query_start_loc, seq_lens, block_table, scale=layer.scale,
                                decode_only=decode, num_splits=splits, part_out=self.part_out,
-                               part_lse=self.part_lse, split_counts=self.split_counts, window=window)
+                               part_lse=self.part_lse, window=window)
