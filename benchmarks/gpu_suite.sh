@@ -10,7 +10,8 @@
 #   needs fastapi, starlette, pydantic, pydantic-core, uvicorn, httptools, annotated-types, typing-inspection,
 #   typing-extensions and opentelemetry-api carried as wheels)
 #   sanitize-fresh (initcheck over producer -> consumer probes on fresh memory; racecheck over toy Phi-3-Small)
-#   sanitize-control (initcheck, every matrix product written into zero-filled memory first)
+#   sanitize-control (initcheck, every matrix product written into zero-filled memory first) race-sdpa (racecheck, sdpa phases)
+#   big-steps (mixed steps of 512-2048 tokens: graph vs padded-eager)
 # Logs and JSON land in $OUT (or ./out); each part has its own time limit so a call stays bounded.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -128,6 +129,15 @@ sanitize-fresh)  # initcheck over the probes, every finding printed: does the to
 sanitize-control)  # initcheck with every matrix product written into zero-filled memory: what cuBLAS's stores do not explain
     run sanitize_control 100 python3 benchmarks/sanitize.py --tools initcheck --zero-matmul-outputs --timeout 90 \
         --out "$OUT/sanitize_control.json"
+    ;;
+race-sdpa)  # racecheck over the reference backend's phases (cuDNN's attention kernel) of both toy models
+    for model in toy-phi3-small toy-llama; do
+        run "race_${model}_sdpa" 140 python3 benchmarks/sanitize.py --tools racecheck --only "$model sdpa" --timeout 130 \
+            --out "$OUT/race_${model}_sdpa.json"
+    done
+    ;;
+big-steps)  # large mixed steps: captured graph vs padded-eager, and what capturing up to 2048 tokens costs
+    run big_steps 120 python3 benchmarks/bench_big_steps.py --out "$OUT/big_steps.json"
     ;;
 sanitize-all)
     run sanitize_all 580 python3 benchmarks/sanitize.py --timeout 140 --out "$OUT/sanitize_all.json"
