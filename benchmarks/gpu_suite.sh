@@ -11,7 +11,7 @@
 #   typing-extensions and opentelemetry-api carried as wheels)
 #   sanitize-fresh (initcheck over producer -> consumer probes on fresh memory; racecheck over toy Phi-3-Small)
 #   sanitize-control (initcheck, every matrix product written into zero-filled memory first) race-sdpa (racecheck, sdpa phases)
-#   big-steps (mixed steps of 512-2048 tokens: graph vs padded-eager)
+#   big-steps (mixed steps of 512-2048 tokens: graph vs padded-eager) host (a step's host work by stage)
 # Logs and JSON land in $OUT (or ./out); each part has its own time limit so a call stays bounded.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -135,6 +135,10 @@ race-sdpa)  # racecheck over the reference backend's phases (cuDNN's attention k
         run "race_${model}_sdpa" 140 python3 benchmarks/sanitize.py --tools racecheck --only "$model sdpa" --timeout 130 \
             --out "$OUT/race_${model}_sdpa.json"
     done
+    ;;
+host)  # a decode step's host work by stage (plan, ledger, upload, launch, outputs, record), batch 1 / 32 / 256
+    run host_llama1b 60 python3 -m fullgraph.bench host --preset llama-1b --out "$OUT/host_llama1b.json"
+    run host_phi3 90 python3 -m fullgraph.bench host --preset phi3-small-8k --out "$OUT/host_phi3.json"
     ;;
 big-steps)  # large mixed steps: captured graph vs padded-eager, and what capturing up to 2048 tokens costs
     run big_steps 120 python3 benchmarks/bench_big_steps.py --out "$OUT/big_steps.json"

@@ -36,5 +36,12 @@ def test_bench_plan_and_host_run_on_cpu(tmp_path, capsys):
     main(["plan", "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
     assert [r["decode_chunks"] for r in rows] == [1, 32, 256] and all(r["plan_us_median"] > 0 for r in rows)
-    main(["host", "--batch", "1", "4", "--iters", "20"])
+    out = tmp_path / "host.json"
+    main(["host", "--batch", "1", "4", "--iters", "20", "--out", str(out)])
     assert "pre_launch_us" in capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    phases = ("plan", "ledger", "upload", "launch", "outputs", "record", "other")
+    for r in rows:   # the per-stage pass leaves the runner as it found it: the next batch still times its launch
+        assert 0 < r["pre_launch_us"] <= r["step_us"]
+        assert all(r[f"phase_{p}_us"] >= 0 for p in phases) and r["phase_plan_us"] > 0 and r["phase_ledger_us"] > 0
+        assert sum(r[f"phase_{p}_us"] for p in phases) < 3 * r["step_us"]
