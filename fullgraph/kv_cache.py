@@ -11,6 +11,8 @@ at it so any stray read lands on finite memory.
 """
 from __future__ import annotations
 
+import functools
+
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -208,21 +210,22 @@ class BlockAllocator:
         not allocated, reads (attends to) a position no earlier step wrote, or writes a shared page
         (cached, or of several owners: only while any page is cached, since only cached pages can be
         shared, so a runner without prefix caching pays nothing for it). ``who(i)`` names chunk i."""
+        # Tiny arrays at small batches: each numpy call costs about a microsecond, so this uses few
+        # (np.count_nonzero, not .any(); a subtraction, not np.diff; cached aranges).
         nr, bs = plan.num_reqs, plan.block_size
-        seq = plan.seq_lens[:nr].astype(np.int64)
-        context = seq - np.diff(plan.query_start_loc[: nr + 1])
-        pages = -(-seq // bs)                                          # (R,) pages each request uses
+        seq, qsl = plan.seq_lens[:nr], plan.query_start_loc
+        context = seq - (qsl[1: nr + 1] - qsl[:nr])
         table = plan.block_table[:nr]
-        used = np.arange(table.shape[1])[None, :] < pages[:, None]
+        used = _arange(table.shape[1])[None, :] < ((seq + (bs - 1)) // bs)[:, None]   # pages each request uses
         unallocated = used & (self._owners[table] == 0)
-        if unallocated.any():
+        if np.count_nonzero(unallocated):
             r, c = np.argwhere(unallocated)[0]
             raise ValueError(f"{who(int(r))}: block_ids: block {int(table[r, c])} (page {int(c)}) is not allocated "
                              "(never handed out by runner.blocks, or freed)")
         last = np.maximum(context - 1, 0)
-        have = self.written[table[np.arange(nr), last // bs]]
-        short = (context > 0) & (have < last % bs + 1)
-        if short.any():
+        have = self.written[table[_arange(nr), last // bs]]
+        short = (context > 0) & (have <= last % bs)
+        if np.count_nonzero(short):
             r = int(np.flatnonzero(short)[0])
             held = int(last[r] // bs * bs + have[r])
             raise ValueError(f"{who(r)}: start_pos: {int(context[r])} says that many positions are in the cache, but "
@@ -236,13 +239,21 @@ class BlockAllocator:
         slots = plan.slot_mapping[: plan.num_tokens]
         page = slots // plan.block_size                                  # real tokens' slots are never -1
         bad = self.cached[page]
-        if bad.any():
+        if np.count_nonzero(bad):
             t = int(np.argmax(bad))                                      # the first offending token
             r = int(np.searchsorted(plan.query_start_loc[1: plan.num_reqs + 1], t, side="right"))
             p, n = int(page[t]), int(self._owners[page[t]])
             raise ValueError(f"{who(r)}: slot_mapping: token {t} writes position {int(plan.positions[t])} into block "
                              f"{p}, which has {n} owner{'s' * (n != 1)}{' and is cached' * bool(self.cached[p])}: "
                              "a shared page is never written (a request writes only its private pages)")
+
+
+@functools.lru_cache(maxsize=64)
+def _arange(n: int) -> np.ndarray:
+    """``np.arange(n)``, read-only and cached (the ledger check's row and column indices)."""
+    a = np.arange(n)
+    a.flags.writeable = False
+    return a
 
 
 def _is_id(i: object, num_blocks: int) -> bool:
