@@ -24,7 +24,6 @@ def build(model, mode: str, sizes: tuple[int, ...], args):
     from fullgraph import FullGraphRunner
 
     torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_reserved()
     start = time.perf_counter()
     runner = FullGraphRunner(model, sampling=True, max_num_seqs=args.decode + 1, max_num_tokens=max(sizes),

@@ -12,7 +12,6 @@ at it so any stray read lands on finite memory.
 from __future__ import annotations
 
 import functools
-
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass

@@ -22,6 +22,7 @@ import torch
 from .. import FullGraphRunner, RunnerConfig, SeqChunk, padding, plan_step
 from ..models import presets
 from ..generate import decode_overlapped
+from .stages import step_stages
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -336,65 +337,9 @@ def bench_host(args) -> list[dict]:
         rows.append({"batch": batch, "blocks": args.blocks, "mode": cfg.cudagraph, "plan_us": plan_us,
                      "plan_p90_us": plan_p90, "copy_in_us": copy_us, "pre_launch_us": statistics.median(pre) * 1e6,
                      "pre_launch_p90_us": float(np.percentile(pre, 90)) * 1e6, "step_us": statistics.median(step) * 1e6,
-                     **_step_phases(runner, chunks, args.iters, device)})
+                     **step_stages(runner, chunks, args.iters)})
     _table(rows, list(rows[0]))
     return rows
-
-
-# (row name, owner attribute path from the runner, attribute): the stages of ``runner._step`` in order
-_PHASES = (("phase_plan_us", None, "plan_with_cache"), ("phase_ledger_us", "blocks", "check"),
-           ("phase_upload_us", "buffers", "upload"), ("phase_launch_us", None, "launch"),
-           ("phase_outputs_us", "buffers", "output_copy"), ("phase_record_us", "blocks", "record_writes"))
-
-
-def _step_phases(runner: FullGraphRunner, chunks, iters: int, device) -> dict[str, float]:
-    """Median host microseconds per stage of a step, in a separate pass with each stage wrapped
-    in a timer (about 0.3 us each): planning (``plan_with_cache``: checks, layout, block ids), the
-    page-ledger check, the upload, the launch (the replay call, or the padded forward), the output
-    copies, the ledger's record of the writes; ``phase_other_us`` is the step's remainder."""
-    import fullgraph.runner as runner_module
-
-    spent: dict[str, float] = {}
-    undo = []
-
-    def timed(name, owner, attr):
-        inner, own = getattr(owner, attr), attr in vars(owner)   # own: set on the instance (a bench's no-op)
-
-        def wrapper(*a, **k):
-            start = time.perf_counter()
-            try:
-                return inner(*a, **k)
-            finally:
-                spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
-        setattr(owner, attr, wrapper)
-        undo.append((owner, attr, inner, own))
-
-    for name, path, attr in _PHASES:
-        if attr == "launch":
-            owner, attr = (runner._graphs, "replay") if runner._graphs is not None else (runner, "_run_static")
-        else:
-            owner = runner_module if path is None else getattr(runner, path)
-        timed(name, owner, attr)
-    samples: dict[str, list[float]] = {name: [] for name, _, _ in _PHASES}
-    samples["phase_other_us"] = []
-    try:
-        for i in range(iters + 20):
-            spent.clear()
-            _sync(device)
-            start = time.perf_counter()
-            runner.step(chunks)
-            total = time.perf_counter() - start
-            if i >= 20:
-                for name, _, _ in _PHASES:
-                    samples[name].append(spent.get(name, 0.0))
-                samples["phase_other_us"].append(total - sum(spent.values()))
-    finally:
-        for owner, attr, inner, own in reversed(undo):
-            if own or owner is runner_module:
-                setattr(owner, attr, inner)
-            else:
-                delattr(owner, attr)   # the method of its class again
-    return {name: statistics.median(v) * 1e6 for name, v in samples.items()}
 
 
 def _table(rows: list[dict], cols: list[str]) -> None:

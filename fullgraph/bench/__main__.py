@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None, attention=None) -> None:
     k = sub.add_parser("compile", help="compile time of a compile=True runner (run twice: first and cached)")
     k.add_argument("--preset", default="toy", choices=presets.names(), help="model shape")
     sub.add_parser("plan", help="host planning cost of decode batches")
-    h = sub.add_parser("host", help="host cost of a decode step: plan, copy_in, everything before the launch, and each stage of the step")
+    h = sub.add_parser("host", help="host cost of a decode step: plan, copy_in, up to the launch, each stage")
     h.add_argument("--preset", default="toy", choices=presets.names(), help="model shape")
     h.add_argument("--attention", default="auto", help="dense attention backend")
     h.add_argument("--batch", type=int, nargs="+", default=[1, 32, 256], help="decode batch sizes")
