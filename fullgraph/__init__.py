@@ -12,10 +12,10 @@ from .graphs import CaptureReport
 from .padding import PaddingPolicy
 from .plan import SeqChunk, StepPlan, plan_step
 from .runner import FullGraphRunner, StepOutput
-from . import debug, testing  # noqa: E402  (need the runner)
+from . import debug, parallel, testing  # noqa: E402  (need the runner)
 from .engine import LLM, CompletionOutput, Engine, RequestOutput, SamplingParams, Structured  # noqa: E402
 
 __all__ = ["FullGraphRunner", "RunnerConfig", "SeqChunk", "StepPlan", "StepOutput", "CaptureReport",
-           "PaddingPolicy", "plan_step", "padding", "models", "attention", "debug", "testing",
+           "PaddingPolicy", "plan_step", "padding", "models", "attention", "debug", "parallel", "testing",
            "LLM", "Engine", "SamplingParams", "Structured", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"

@@ -40,6 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--json-schema", default=None, help="constrain the output to this JSON schema (a file)")
     g.add_argument("--regex", default=None, help="constrain the output to this regular expression")
     g.add_argument("--attention", default="auto", choices=backends, help="dense attention backend")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="shard the model over this many processes (launch with torchrun --nproc-per-node N)")
 
     _serve_parser(sub, fmt, backends)
 

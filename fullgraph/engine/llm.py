@@ -38,6 +38,16 @@ def load_tokenizer(path: str | Path):
     return AutoTokenizer.from_pretrained(path)
 
 
+def _shard(model: nn.Module, size: int) -> nn.Module:
+    from ..parallel import init_tensor_parallel, shard_model
+
+    tp = init_tensor_parallel()
+    if tp.world_size != size:
+        raise ValueError(f"tensor_parallel_size={size}, but torchrun started {tp.world_size} processes "
+                         f"(--nproc-per-node {size})")
+    return shard_model(model, tp)
+
+
 class LLM:
     """A model, a sampling runner and an engine, from a checkpoint path or a model.
 
@@ -50,12 +60,16 @@ class LLM:
     ``structured=True``: requests may carry ``SamplingParams(structured=fg.Structured(...))``.
     ``enable_prefix_caching`` (on by default, as in vLLM V1): requests share the KV pages of equal
     prompt prefixes and skip their prefill (``Engine``); False computes every prompt in full.
+    ``tensor_parallel_size`` N > 1: one of N processes started by ``torchrun --nproc-per-node N``
+    (``fullgraph.parallel``); every rank runs the same ``LLM`` calls on its shard of the model and
+    gets the same tokens.
     """
 
     def __init__(self, model: str | Path | nn.Module, *, tokenizer="auto", dtype: torch.dtype | None = None,
                  device: str | torch.device | None = None, max_num_seqs: int = 64, max_model_len: int | None = None,
                  max_num_tokens: int = 1024, max_logprobs: int = 0, seed: int = 0, eos_token_ids=None,
-                 structured: bool = False, enable_prefix_caching: bool = True, **runner_kwargs) -> None:
+                 structured: bool = False, enable_prefix_caching: bool = True, tensor_parallel_size: int = 1,
+                 **runner_kwargs) -> None:
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         eos = set(eos_token_ids or [])
@@ -65,6 +79,8 @@ class LLM:
             tokenizer = load_tokenizer(path) if tokenizer == "auto" else tokenizer
         elif tokenizer == "auto":
             tokenizer = None
+        if tensor_parallel_size != 1:
+            model = _shard(model, tensor_parallel_size)
         if eos_token_ids is None:
             eos |= set(getattr(model, "eos_token_ids", ()))
         if tokenizer is not None and eos_token_ids is None and getattr(tokenizer, "eos_token_id", None) is not None:

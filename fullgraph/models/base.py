@@ -96,14 +96,18 @@ class DecoderLM(nn.Module):
         return logits
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.scale_logits((hidden @ weight.t()).float())             # (N, vocab) float32
+        head = self.lm_head
+        if head is None or isinstance(head, nn.Linear):
+            logits = hidden @ (self.embed_tokens.weight if head is None else head.weight).t()
+        else:  # a head module of its own (the vocabulary-parallel one): hidden -> full logits
+            logits = head(hidden)
+        return self.scale_logits(logits.float())                              # (N, vocab) float32
 
     def step_weight_bytes(self) -> int:
         """Bytes of weights one decode step reads: every parameter except the embedding table,
         which contributes a few rows (unless tied, when it is the LM head and is read whole)."""
         total = sum(p.numel() * p.element_size() for p in self.parameters())
-        if self.lm_head is not None:
+        if self.lm_head is not None and self.lm_head.weight is not self.embed_tokens.weight:
             total -= self.embed_tokens.weight.numel() * self.embed_tokens.weight.element_size()
         return total
 
