@@ -143,6 +143,17 @@ host)  # a decode step's host work by stage (plan, ledger, upload, launch, outpu
 big-steps)  # large mixed steps: captured graph vs padded-eager, and what capturing up to 2048 tokens costs
     run big_steps 120 python3 benchmarks/bench_big_steps.py --out "$OUT/big_steps.json"
     ;;
+tp)  # nvidia-h200-x2: tensor parallel against one process in "full" mode (NCCL in the graphs), Llama-8B TP=2 vs TP=1
+    for model in toy-llama toy-phi3-small; do
+        run "tp_check_$model" 120 python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
+            -m fullgraph.testing.parallel --model "$model" --mode full --out "$OUT/tp_check_$model.json"
+    done
+    run tp_decode_llama8b_tp1 150 python3 -m fullgraph.bench decode --preset llama-8b --batch 1 32 --context 1024 \
+        --modes full --loop sync overlap --out "$OUT/tp_decode_llama8b_tp1.json"
+    run tp_decode_llama8b_tp2 200 python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
+        -m fullgraph.bench decode --preset llama-8b --batch 1 32 --context 1024 --modes full --loop sync overlap \
+        --tensor-parallel-size 2 --out "$OUT/tp_decode_llama8b_tp2.json"
+    ;;
 sanitize-all)
     run sanitize_all 580 python3 benchmarks/sanitize.py --timeout 140 --out "$OUT/sanitize_all.json"
     ;;

@@ -75,3 +75,16 @@ def test_shard_keeps_the_rank_slices():
     up_full, up_part = full.layers[0].mlp.gate_up_proj.weight, part.layers[0].mlp.gate_up_proj.weight
     torch.testing.assert_close(up_part, torch.cat((up_full[half: 2 * half], up_full[3 * half:])), rtol=0, atol=0)
     torch.testing.assert_close(part.embed_tokens.weight, full.embed_tokens.weight[c.vocab_size // 2:], rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (NCCL inside captured graphs)")
+@pytest.mark.parametrize("model", ["toy-llama", "toy-phi3-small"])
+def test_captured_graphs_with_nccl_match_one_process(model, tmp_path):
+    out = tmp_path / f"{model}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "fullgraph.testing.parallel", "--model", model, "--mode", "full", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["max_rel_logit_error"] <= 1e-4 and result["greedy_equal"], result  # float32, GPU reduction order

@@ -13,13 +13,15 @@ import argparse
 import dataclasses
 import gc
 import json
+import os
 import statistics
+import sys
 import time
 
 import numpy as np
 import torch
 
-from .. import FullGraphRunner, RunnerConfig, SeqChunk, padding, plan_step
+from .. import FullGraphRunner, RunnerConfig, SeqChunk, padding, parallel, plan_step
 from ..models import presets
 from ..generate import decode_overlapped
 from .stages import step_stages
@@ -138,7 +140,10 @@ def isolated_replay_ms(runner: FullGraphRunner, key, iters: int = 30) -> tuple[f
 def bench_decode(args) -> list[dict]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    tp = _tensor_parallel(getattr(args, "tensor_parallel_size", 1))
     model = presets.build(args.preset, dtype=dtype, device=device, seed=0)
+    if tp is not None:  # every rank builds the same weights, keeps its shard; rank 0 reports
+        model = parallel.shard_model(model, tp)
     bandwidth = copy_bandwidth(device)
     w_bytes = weight_bytes_read(model)
     rows = []
@@ -153,7 +158,7 @@ def bench_decode(args) -> list[dict]:
                           f"{row['step_ms']:.3f} ms", flush=True)
             if getattr(args, "peers", False) and device.type == "cuda":
                 rows += _peer_rows(args, model, w_bytes, bandwidth, context, batch, rows[-1])
-    _table(rows, ["preset", "batch", "context", "mode", "attention", "loop", "step_ms", "replay1_ms", "replay_ms",
+    _table(rows, ["preset", "batch", "context", "mode", "tensor_parallel", "attention", "loop", "step_ms", "replay1_ms", "replay_ms",
                   "launch_ms", "p90_ms", "floor_ms", "kv_MB", "kv_dense_MB", "compile_s"])
     eager = {(r["context"], r["batch"]): r["step_ms"] for r in rows if r["mode"] == "none" and r["loop"] == "sync"}
     for r in rows:
@@ -163,6 +168,18 @@ def bench_decode(args) -> list[dict]:
             print(f"context {r['context']} batch {r['batch']}: full is {speedup}"
                   f"{r['step_ms'] / r['floor_ms']:.2f}x the bandwidth floor")
     return rows
+
+
+def _tensor_parallel(size: int):
+    """The group of ``size`` torchrun processes (None for one); ranks other than 0 print nothing."""
+    if size == 1:
+        return None
+    tp = parallel.init_tensor_parallel()
+    if tp.world_size != size:
+        raise ValueError(f"--tensor-parallel-size {size}, but torchrun started {tp.world_size} processes")
+    if tp.rank:
+        sys.stdout = open(os.devnull, "w")
+    return tp
 
 
 def _decode_rows(args, model, device, w_bytes, bandwidth, context, batch, mode) -> list[dict]:
@@ -181,7 +198,7 @@ def _decode_rows(args, model, device, w_bytes, bandwidth, context, batch, mode) 
     replay1, launch = isolated_replay_ms(runner, (batch, True)) if full else (float("nan"),) * 2
     stats = runner.stats()
     rows = [{"preset": args.preset, "batch": batch, "context": context, "mode": mode,
-             "attention": runner.config.attention, "compile": args.compile, "loop": loop, "dtype": args.dtype,
+             "tensor_parallel": getattr(args, "tensor_parallel_size", 1), "attention": runner.config.attention, "compile": args.compile, "loop": loop, "dtype": args.dtype,
              "step_ms": statistics.median(t) * 1e3, "p10_ms": np.percentile(t, 10) * 1e3,
              "p90_ms": np.percentile(t, 90) * 1e3, "floor_ms": floor, "weight_bytes": w_bytes,
              "kv_bytes": kv_read, "kv_MB": kv_read / 1e6, "kv_dense_MB": kv_dense / 1e6, "copy_TBps": bandwidth / 1e12, "compile_s": stats["compile_seconds"],

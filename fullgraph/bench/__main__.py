@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import torch
@@ -30,6 +31,8 @@ def main(argv: list[str] | None = None, attention=None) -> None:
     d.add_argument("--steps", type=int, default=50, help="timed steps")
     d.add_argument("--warmup", type=int, default=5, help="untimed steps first")
     d.add_argument("--compile", action="store_true", help="compile=True")
+    d.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="shard the model over this many processes (torchrun --nproc-per-node N; rank 0 reports)")
     d.add_argument("--peers", action="store_true", help="also time a naive whole-model CUDA graph and "
                    "torch.compile(mode='reduce-overhead') of the same shape (CUDA)")
     d.add_argument("--loop", nargs="+", default=["sync"], choices=["sync", "overlap"],
@@ -82,7 +85,7 @@ def main(argv: list[str] | None = None, attention=None) -> None:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    if args.out and args.command != "plot":
+    if args.out and args.command != "plot" and int(os.environ.get("RANK", 0)) == 0:
         with open(args.out, "w") as f:
             json.dump({"command": args.command, "device": torch.cuda.get_device_name() if torch.cuda.is_available()
                        else "cpu", "torch": torch.__version__, "rows": rows}, f, indent=1)
