@@ -13,10 +13,10 @@ from fullgraph.parallel import TensorParallel, shard_model
 from fullgraph.parallel.shard import split_heads
 
 
-def _run(model: str, world: int, tmp_path, steps: int = 40) -> dict:
+def _run(model: str, world: int, tmp_path, steps: int = 40, *extra: str) -> dict:
     out = tmp_path / f"{model}-{world}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           "-m", "fullgraph.testing.parallel", "--model", model, "--steps", str(steps), "--out", str(out)]
+           "-m", "fullgraph.testing.parallel", "--model", model, "--steps", str(steps), "--out", str(out), *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
@@ -31,6 +31,13 @@ def test_sharded_model_matches_one_process(model, world, tmp_path):
     assert result["world_size"] == world
     assert result["max_rel_logit_error"] <= 1e-5, result
     assert result["greedy_equal"], result
+
+
+def test_compiled_sharded_model_traces_the_collectives(tmp_path):
+    # torch.compile(fullgraph=True) over the functional all-reduces and all-gather (Inductor on the CPU)
+    result = _run("toy-llama", 2, tmp_path, 12, "--compile")
+    assert result["max_rel_logit_error"] <= 1e-5 and result["greedy_equal"], result
+    assert result["compiled_graphs"] > 0 and result["recompiles"] == 0, result
 
 
 def _tp(rank: int, world: int) -> TensorParallel:

@@ -5,7 +5,8 @@ sharded over the group (``fullgraph.parallel.shard_model``). A random multi-step
 requests, chunked prefills and decodes mixed, random subsets each step) runs on both runners,
 page for page, and every step's logits are compared; then ``fg.LLM`` greedy-generates from both.
 Rank 0 prints one JSON line: the largest logit error relative to the largest logit, and whether
-the greedy tokens agree; ``--out`` also writes it to a file.
+the greedy tokens agree (and, with ``--compile``, the sharded runner's compiled graphs and
+recompiles after warm-up); ``--out`` also writes it to a file.
 """
 from __future__ import annotations
 
@@ -73,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m fullgraph.testing.parallel", description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=sorted(MODELS), default="toy-llama")
     p.add_argument("--mode", default="padded", help='runner mode of both runners (default: "padded")')
+    p.add_argument("--compile", action="store_true", help="compile=True for the sharded runner")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="also write the JSON line here (rank 0)")
@@ -80,13 +82,17 @@ def main(argv: list[str] | None = None) -> int:
     tp = init_tensor_parallel()
     device = torch.device(f"cuda:{torch.cuda.current_device()}") if torch.cuda.is_available() else torch.device("cpu")
     whole, sharded = MODELS[args.model]().to(device), shard_model(MODELS[args.model]().to(device), tp)
-    runners = [FullGraphRunner(m, cudagraph=args.mode, attention="sdpa", **LIMITS) for m in (whole, sharded)]
+    runners = [FullGraphRunner(m, cudagraph=args.mode, attention="sdpa", compile=c, **LIMITS)
+               for m, c in ((whole, False), (sharded, args.compile))]
     worst = workload(runners, args.steps, args.seed)
+    stats = runners[1].stats()
     prompts = [[random.Random(args.seed + i).randrange(whole.vocab_size) for _ in range(5 + 7 * i)] for i in range(4)]
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     tokens = [[list(o.outputs[0].token_ids) for o in LLM(m, cudagraph=args.mode, **LIMITS).generate(prompts, greedy)]
               for m in (whole, sharded)]
-    result = {"model": args.model, "world_size": tp.world_size, "mode": args.mode, "steps": args.steps,
+    result = {"model": args.model, "world_size": tp.world_size, "mode": args.mode, "compile": args.compile,
+              "compiled_graphs": stats["compiled_graphs"], "recompiles": stats["recompiles_after_warmup"],
+              "steps": args.steps,
               "max_rel_logit_error": worst, "greedy_equal": tokens[0] == tokens[1], "greedy_tokens": tokens[1]}
     if tp.rank == 0:
         line = json.dumps(result)
