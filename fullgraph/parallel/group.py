@@ -1,6 +1,8 @@
 """The tensor-parallel group and its collectives."""
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 from dataclasses import dataclass
 
@@ -50,4 +52,17 @@ def init_tensor_parallel(backend: str | None = None) -> TensorParallel:
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend)
+        atexit.register(close_tensor_parallel)
     return TensorParallel(dist.get_rank(), dist.get_world_size(), dist.group.WORLD)
+
+
+def close_tensor_parallel() -> None:
+    """Leave the default group together and destroy it while the interpreter is whole (registered at
+    exit by ``init_tensor_parallel`` for the group it created; a no-op once destroyed). Gloo's worker
+    threads still hold finished collectives' tensors; freed during interpreter finalisation, or torn
+    down while a peer still talks to this rank, they abort the process."""
+    if not dist.is_initialized():
+        return
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()

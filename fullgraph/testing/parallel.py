@@ -19,7 +19,7 @@ import torch
 
 from ..engine import LLM, SamplingParams
 from ..models import Llama, LlamaConfig, Phi3Small, Phi3SmallConfig
-from ..parallel import init_tensor_parallel, shard_model
+from ..parallel import close_tensor_parallel, init_tensor_parallel, shard_model
 from ..plan import SeqChunk
 from ..runner import FullGraphRunner
 
@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:
             with open(args.out, "w") as f:
                 f.write(line + "\n")
-    torch.distributed.destroy_process_group()
+    del runners, whole, sharded  # nothing that holds the group outlives it
+    close_tensor_parallel()
     return 0
 
 
