@@ -1,7 +1,9 @@
 """Block ids from Python lists to int64 arrays: the bulk of planning a large decode batch.
 
 ``flatten_ids`` concatenates a step's block lists; ``BlockIdCache`` (owned by a runner) keeps the
-previous valid step's packed ids so an unchanged list is not converted, nor checked, again.
+previous valid decode step's packed ids so an unchanged list is not converted, nor checked, again.
+Both serve ``chunks.read_chunks``, which looks a decode step's lists up and commits them once the
+step passed its checks.
 """
 from __future__ import annotations
 
