@@ -12,6 +12,7 @@
 #   sanitize-fresh (initcheck over producer -> consumer probes on fresh memory; racecheck over toy Phi-3-Small)
 #   sanitize-control (initcheck, every matrix product written into zero-filled memory first) race-sdpa (racecheck, sdpa phases)
 #   big-steps (mixed steps of 512-2048 tokens: graph vs padded-eager) host (a step's host work by stage)
+#   decode-ab, decode-ab-big (decode rows of .base/ and ours back to back) sweep-skinny (linear configs, rows 1-64)
 # Logs and JSON land in $OUT (or ./out); each part has its own time limit so a call stays bounded.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -37,6 +38,30 @@ baseline)  # the same decode rows at an earlier commit (.base) and now, in one p
         PYTHONPATH=$tree run "decode_phi3_$tag" 120 python3 -m fullgraph.bench decode --preset phi3-small-8k --batch 1 \
             --context 2048 --modes full --steps 40 --loop sync overlap --out "$OUT/decode_phi3_$tag.json"
     done
+    ;;
+decode-ab)  # the decode rows of issue 31 at an earlier commit (.base) and now, back to back, PDL on
+    for tree in .base .; do
+        tag=$([ "$tree" = . ] && echo new || echo old)
+        for preset in llama-1b smollm2-135m; do
+            PYTHONPATH=$tree run "ab_${preset}_$tag" 100 python3 -m fullgraph.bench decode --preset $preset --batch 1 32 \
+                --context 1024 --modes full --steps 40 --loop sync overlap --out "$OUT/ab_${preset}_$tag.json"
+        done
+    done
+    ;;
+decode-ab-big)  # the same for the 7-8B shapes
+    for tree in .base .; do
+        tag=$([ "$tree" = . ] && echo new || echo old)
+        PYTHONPATH=$tree run "ab_llama8b_$tag" 120 python3 -m fullgraph.bench decode --preset llama-8b --batch 1 32 \
+            --context 1024 --modes full --steps 30 --loop sync overlap --out "$OUT/ab_llama8b_$tag.json"
+        PYTHONPATH=$tree run "ab_phi3_$tag" 120 python3 -m fullgraph.bench decode --preset phi3-small-8k --batch 1 \
+            --context 2048 --modes full --steps 30 --loop sync overlap --out "$OUT/ab_phi3_$tag.json"
+    done
+    ;;
+sweep-skinny)  # our linear's launch configurations against cuBLAS: one row and a few, plain and with the norm on load
+    run sweep_rows 240 python3 benchmarks/sweep_linear.py --rows 1 8 32 64 --block-k 256 512 1024 \
+        --out "$OUT/sweep_rows.json"
+    run sweep_norm 150 python3 benchmarks/sweep_linear.py --norm --rows 1 32 --block-n 4 8 32 --block-k 512 1024 \
+        --warps 8 --stages 3 --out "$OUT/sweep_norm.json"
     ;;
 peers)  # each row beside the naive whole-model CUDA graph and torch.compile(mode="reduce-overhead")
     run peers_llama1b 150 python3 -m fullgraph.bench decode --preset llama-1b --batch 1 32 --context 1024 --modes full \

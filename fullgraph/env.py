@@ -14,6 +14,8 @@ variable                          effect                                        
 ``FULLGRAPH_COMPILE=0|1``         forces ``RunnerConfig.compile``                     at construction
 ``FULLGRAPH_PDL=0``               no programmatic dependent launch                    once
 ``FULLGRAPH_COMPILE_WORKERS=N``   threads compiling Triton kernels ahead (0: off)     at each capture
+``FULLGRAPH_LINEAR=IMPL``         linears of 2-64 rows: ``auto`` (measured per shape, once
+                                  the default), ``triton`` or ``cublas``
 ================================  ==================================================  ==================
 """
 from __future__ import annotations
@@ -25,6 +27,7 @@ CUDAGRAPH = "FULLGRAPH_CUDAGRAPH"
 COMPILE = "FULLGRAPH_COMPILE"
 PDL = "FULLGRAPH_PDL"
 COMPILE_WORKERS = "FULLGRAPH_COMPILE_WORKERS"
+LINEAR = "FULLGRAPH_LINEAR"
 
 
 def _flag(name: str) -> bool:
@@ -63,3 +66,12 @@ def compile_workers() -> int | None:
         return max(0, int(value))
     except ValueError:
         raise ValueError(f"{COMPILE_WORKERS}={value!r}: expected a number of threads (0 switches it off)") from None
+
+
+@functools.cache
+def linear_impl() -> str:
+    """``FULLGRAPH_LINEAR``: which kernel serves linears of a few rows (read once)."""
+    value = os.environ.get(LINEAR, "auto")
+    if value not in ("auto", "triton", "cublas"):
+        raise ValueError(f"{LINEAR}={value!r}: expected auto, triton or cublas")
+    return value

@@ -1,19 +1,28 @@
 """The weight-streaming linear kernel (``fullgraph::linear``) against float64 references:
-one row and several, ragged sizes, bias, the fused gated activations, the models' use of it."""
+one row and several, ragged sizes, bias, the fused gated activations, the RMSNorm on load and the
+residual epilogue, weight tiles prefetched before the wait, the cuBLAS form it is measured
+against, and the models' use of it."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import fullgraph.env
+from fullgraph.kernels import linear_choice
 from fullgraph.kernels.linear import NO_LIMIT, launch, launch_config, linear
 from fullgraph.models.layers import Linear
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def ref_linear(x, w, b, activation="none", limit=NO_LIMIT):
-    y = x.double() @ w.double().t() + (0 if b is None else b.double())
+def ref_linear(x, w, b, activation="none", limit=NO_LIMIT, norm_weight=None, eps=1e-5, residual=None):
+    x = x.double()
+    if norm_weight is not None:
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.double()
+    y = x @ w.double().t() + (0 if b is None else b.double())
+    if residual is not None:
+        return y + residual.double()
     if activation == "gegelu":
         a, g = y[:, 0::2], y[:, 1::2]
         a = torch.where(torch.isinf(a), a, a.clamp(max=limit))
@@ -39,6 +48,57 @@ def test_matches_reference(rows, activation, bias):
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("prefetch", [1, 2])
+@pytest.mark.parametrize("epilogue", ["none", "residual", "silu_and_mul", "gegelu"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_rms_norm_on_load_matches_reference(rows, prefetch, epilogue, bias):
+    """norm(x) @ w.T (+ b), then the activation or + residual: K of 97 over tiles of 32 (a ragged
+    last tile; with prefetch 2 the second tile is loaded before the wait), 44 columns over blocks of 8."""
+    n, k = 44, 97
+    x = 3 * torch.randn(2 * rows, k, device=DEVICE)[::2] + 0.5     # strided rows, far from unit rms
+    w, b = torch.randn(n, k, device=DEVICE), torch.randn(n, device=DEVICE) if bias else None
+    g = 1 + 0.3 * torch.randn(k, device=DEVICE)
+    residual = torch.randn(rows, n, device=DEVICE) if epilogue == "residual" else None
+    activation = epilogue if epilogue != "residual" else "none"
+    got = launch(x, w, b, activation, 1.5, (8, 32, 4, prefetch), g, 1e-5, residual)
+    want = ref_linear(x, w, b, activation, 1.5, g, 1e-5, residual)
+    assert got.shape == want.shape and got.dtype == x.dtype
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("epilogue", ["none", "residual", "silu_and_mul", "residual+bias"])
+def test_the_cublas_form_computes_the_same(epilogue):
+    """``linear_choice.unfused`` (the norm kernel, cuBLAS, the activation kernel, the add) is what
+    our fused kernel computes, so measuring one against the other chooses between equals."""
+    m, n, k = 5, 24, 40
+    x, w, g = torch.randn(m, k, device=DEVICE), torch.randn(n, k, device=DEVICE), 1 + 0.2 * torch.randn(k, device=DEVICE)
+    b = torch.randn(n, device=DEVICE) if epilogue.endswith("bias") else None
+    residual = torch.randn(m, n, device=DEVICE) if epilogue.startswith("residual") else None
+    activation = "silu_and_mul" if epilogue == "silu_and_mul" else "none"
+    got = linear_choice.unfused(x, w, b, activation, NO_LIMIT, g, 1e-6, residual)
+    torch.testing.assert_close(got.double(), ref_linear(x, w, b, activation, NO_LIMIT, g, 1e-6, residual),
+                               rtol=1e-5, atol=1e-4)
+
+
+def test_the_choice_is_forced_by_the_environment_and_kept_per_shape(monkeypatch):
+    calls = []
+    ours, theirs = (lambda: calls.append("ours")), (lambda: calls.append("theirs"))
+    x = torch.randn(4, 8, device=DEVICE)
+    for impl, want in (("triton", True), ("cublas", False)):
+        monkeypatch.setattr(fullgraph.env, "linear_impl", lambda impl=impl: impl)
+        assert linear_choice.triton_wins(("key",), x, ours, theirs) is want
+    assert calls == []  # forced: nothing measured
+    monkeypatch.setattr(fullgraph.env, "linear_impl", lambda: "auto")
+    if not x.is_cuda:  # the interpreter runs ours: the kernel under test
+        assert linear_choice.triton_wins(("key",), x, ours, theirs) is True and calls == []
+        return
+    key = ("test", x.shape[0])
+    monkeypatch.setitem(linear_choice._choice, key, False)
+    assert linear_choice.triton_wins(key, x, ours, theirs) is False and calls == []
+    assert linear_choice.triton_wins(("too many rows",), torch.randn(65, 8, device=DEVICE), ours, theirs) is False
+
+
 def test_default_config_and_registered_op():
     x, w, b = torch.randn(1, 300, device=DEVICE), torch.randn(70, 300, device=DEVICE), torch.randn(70, device=DEVICE)
     assert launch_config(70) == launch_config(3072) != launch_config(4096) != launch_config(28672)
@@ -59,44 +119,70 @@ def test_bad_shapes_raise():
         launch(x, w, None, "relu")
 
 
-def test_module_uses_the_kernel_only_for_one_half_precision_row_on_cuda():
+def test_module_uses_the_kernel_only_for_half_precision_on_cuda():
     lin = Linear(16, 8)
     one = torch.randn(1, 16)
     assert not lin.uses_kernel(one)                                    # CPU: F.linear
     torch.testing.assert_close(lin(one), F.linear(one, lin.weight, lin.bias))
+    norm, residual = fg_rms_norm(16), torch.randn(1, 8)
+    torch.testing.assert_close(lin(one, norm, residual), F.linear(norm(one), lin.weight, lin.bias) + residual)
+    with pytest.raises(ValueError, match="activation"):
+        lin(one, activation="silu_and_mul")
     if torch.cuda.is_available():
         lin = lin.to("cuda", torch.bfloat16)
         one = one.to("cuda", torch.bfloat16)
-        assert lin.uses_kernel(one)
-        assert not lin.uses_kernel(torch.randn(2, 16, device="cuda", dtype=torch.bfloat16))
+        assert lin.uses_kernel(one) and lin.uses_kernel(torch.randn(2, 16, device="cuda", dtype=torch.bfloat16))
         assert not lin.uses_kernel(one.float())
+
+
+def fg_rms_norm(n):
+    from fullgraph.models.layers import RMSNorm
+
+    norm = RMSNorm(n, 1e-5)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.2)
+    return norm
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("n,k", [(3072, 2048), (4096, 14336), (28672, 4096)])
 @pytest.mark.parametrize("activation", ["none", "gegelu", "silu_and_mul"])
-def test_bf16_model_shapes_flash_rule(n, k, activation):
-    """bf16 against float64, within twice the error of cuBLAS's own bf16 result (+ slack)."""
-    gen = torch.Generator("cuda").manual_seed(0)
-    x = torch.randn(1, k, device="cuda", generator=gen).bfloat16()
+@pytest.mark.parametrize("rows", [1, 16])
+@pytest.mark.parametrize("fused", ["", "norm", "norm+residual"])
+def test_bf16_model_shapes_flash_rule(n, k, activation, rows, fused):
+    """bf16 against float64, within twice the error of PyTorch's own bf16 pipeline (RMSNorm in
+    bf16, cuBLAS, the activation, the add) (+ slack); ours launched directly, whatever the choice."""
+    if "residual" in fused and activation != "none":
+        pytest.skip("the residual epilogue has no activation")
+    gen = torch.Generator("cuda").manual_seed(rows)
+    x = (2 * torch.randn(rows, k, device="cuda", generator=gen) + 0.3).bfloat16()
     w = (torch.randn(n, k, device="cuda", generator=gen) * k ** -0.5).bfloat16()
     b = (0.02 * torch.randn(n, device="cuda", generator=gen)).bfloat16()
-    want = ref_linear(x, w, b, activation, 20.0)
-    cublas = F.linear(x, w, b)
+    g = (1 + 0.2 * torch.randn(k, device="cuda", generator=gen)).bfloat16() if fused else None
+    res = torch.randn(rows, n, device="cuda", generator=gen).bfloat16() if "residual" in fused else None
+    want = ref_linear(x, w, b, activation, 20.0, g, 1e-5, res)
+    xn = x if g is None else (g * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16())
+    torch_bf16 = F.linear(xn, w, b)
     if activation != "none":
-        cublas = torch.ops.fullgraph.gegelu(cublas, 20.0) if activation == "gegelu" \
-            else torch.ops.fullgraph.silu_and_mul(cublas)
-    got = linear(x, w, b, activation, 20.0)
-    base = (cublas.double() - want).abs().max().item()
+        torch_bf16 = torch.ops.fullgraph.gegelu(torch_bf16, 20.0) if activation == "gegelu" \
+            else torch.ops.fullgraph.silu_and_mul(torch_bf16)
+    if res is not None:
+        torch_bf16 = torch_bf16 + res
+    got = launch(x, w, b, activation, 20.0, None, g, 1e-5, res)
+    base = (torch_bf16.double() - want).abs().max().item()
     assert (got.double() - want).abs().max().item() <= 2 * base + 1e-3
+    torch.testing.assert_close(linear(x, w, b, activation, 20.0, g, 1e-5, res).double(), want,
+                               rtol=0, atol=2 * base + 1e-3)  # the op: ours or cuBLAS, whichever it chose
 
 
+@pytest.mark.parametrize("rows", ["one", "all"])
 @pytest.mark.parametrize("preset", ["llama", "phi3"])
-def test_models_on_the_one_row_kernel_path_match_the_separate_ops(monkeypatch, preset):
-    """Force the one-row kernels (the path every CUDA batch-1 step takes: projections and the
-    activation fused into the up-projection) on the CPU through the Triton interpreter: the
-    decode steps' logits match the F.linear path."""
+def test_models_on_the_kernel_path_match_the_separate_ops(monkeypatch, preset, rows):
+    """Force the kernel path (the one every CUDA half-precision step takes: the RMSNorm, the
+    projection and the activation, or the projection and the residual add, in one launch) on the
+    CPU through the Triton interpreter, for one-row steps or every step: the logits match the
+    F.linear path."""
     import fullgraph as fg
 
     make = {"llama": lambda: fg.models.Llama(fg.models.LlamaConfig.toy()),
@@ -110,8 +196,8 @@ def test_models_on_the_one_row_kernel_path_match_the_separate_ops(monkeypatch, p
         return torch.cat([runner.step([fg.SeqChunk([t], 4 + i, ids)]).logits for i, t in enumerate((3, 11))])
 
     want = decode_logits()
-    rows = []
-    monkeypatch.setattr(Linear, "uses_kernel", lambda self, x: rows.append(x.shape[0]) or x.shape[0] == 1)
+    seen = []
+    monkeypatch.setattr(Linear, "uses_kernel", lambda self, x: seen.append(x.shape[0]) or rows == "all" or x.shape[0] == 1)
     got = decode_logits()
-    assert 1 in rows and max(rows) > 1          # both paths were taken (prefill rows > 1, decode one row)
+    assert 1 in seen and max(seen) > 1          # both paths were taken (prefill rows > 1, decode one row)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

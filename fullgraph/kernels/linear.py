@@ -1,19 +1,25 @@
-"""``y = x @ w.T (+ b)`` for few rows (decode batches): a weight-streaming GEMM.
+"""``y = norm(x) @ w.T (+ b)``, then a gated activation or ``+ residual``, for few rows (decode
+batches): a weight-streaming GEMM with the decoder layer's small ops in its prologue and epilogue.
 
 At decode batch sizes a linear layer reads its whole weight to produce a few output rows, so
-its time is the weight's bytes over the bandwidth one launch reaches.
+its time is the weight's bytes over the bandwidth one launch reaches, and every small kernel
+around it (a norm, an add) costs a launch and a ramp of its own.
 
 Algorithm: one program per BLOCK_N output columns walks K in BLOCK_K steps, loading a
 (BLOCK_N, BLOCK_K) weight tile and the matching (M, BLOCK_K) slice of x (a few KB, L2-resident)
 and accumulating in float32: a broadcast multiply and row sum for one row, ``tl.dot`` (rows
-padded to 16) otherwise. Bias is added in the epilogue, then optionally a gated activation
-(GeGeLU over interleaved column pairs, SwiGLU over [gate | up] halves, whose rows a program
-loads interleaved), so the MLP's up-projection and activation are one launch.
+padded to 16) otherwise. Its first PREFETCH weight tiles (and the bias) are loaded before the
+PDL wait, overlapping the kernel ahead. RMSNorm on load: x is scaled by the norm weight as it
+is loaded, each program sums the squares of the row it streams anyway, and the products are
+divided by the rms at the end (no pass over x before the first weight tile). Epilogue: bias,
+then optionally a gated activation (GeGeLU over interleaved column pairs, SwiGLU over
+[gate | up] halves, whose rows a program loads interleaved) or the residual add.
 
-Layout contract: x (M, K) with unit column stride, w (N, K) contiguous, b (N,) or None;
-returns a new (M, N) tensor in x's dtype. Registered as ``fullgraph::linear`` (with a fake), so
-``torch.compile`` keeps it one opaque launch. Models use it for one-row steps only
-(``models.layers.Linear``): for 16 rows and more cuBLAS's tensor-core kernels are faster.
+Layout contract: x (M, K) with unit column stride, w (N, K) contiguous, b (N,) or None, norm
+weight (K,) or None, residual (M, N) with unit column stride or None; returns a new (M, N) (or
+(M, N // 2) gated) tensor in x's dtype. Registered as ``fullgraph::linear`` (with a fake), so
+``torch.compile`` keeps it one opaque launch; for more than one row the op serves the shape with
+this kernel or cuBLAS, whichever ``linear_choice`` measured faster.
 """
 from __future__ import annotations
 
@@ -21,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import compile_ahead, pdl
+from . import compile_ahead, linear_choice, pdl
 from .._compat import custom_op
 
 
@@ -62,62 +68,114 @@ def store(acc, out_ptr, M, stride_om, pid, rn, n_ok, N, limit, ACT: tl.constexpr
                  mask=(rm < M)[:, None] & (oc < N // 2)[None, :])
 
 
-@compile_ahead.kernel
 @triton.jit
-def _linear_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr,
-    M, N, K, limit,
-    stride_xm, stride_om,
-    HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    rn, n_ok = columns(pid, N, ACT, BLOCK_N)
+def _row_tile(w, x_ptr, g_ptr, k0, rk, K, NORM: tl.constexpr):
+    """One K tile of one row: (the (BLOCK_N,) partial products with weight tile ``w``, the tile's
+    sum of squares of x). With NORM, x is scaled by the norm weight on load (the 1/rms comes later)."""
+    k_ok = k0 + rk < K
+    x = tl.load(x_ptr + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)
+    ss = 0.0
+    if NORM:
+        ss = tl.sum(x * x, axis=0)
+        x = x * tl.load(g_ptr + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)
+    return tl.sum(w.to(tl.float32) * x[None, :], axis=1), ss
+
+
+@triton.jit
+def _rows_tile(acc, ss, w, x_ptr, g_ptr, stride_xm, M, k0, rk, K, NORM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """One K tile of BLOCK_M rows on the tensor cores: ``acc`` += x_tile @ w_tile.T; with NORM,
+    ``ss`` += each row's sum of squares and x is scaled by the norm weight (rounded to w's dtype)."""
+    rows = tl.arange(0, BLOCK_M)
+    k_ok = k0 + rk < K
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + (k0 + rk)[None, :], mask=(rows < M)[:, None] & k_ok[None, :],
+                other=0.0)
+    if NORM:
+        xf = x.to(tl.float32)
+        ss += tl.sum(xf * xf, axis=1)
+        x = (xf * tl.load(g_ptr + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)[None, :]).to(w.dtype)
+    return tl.dot(x, tl.trans(w), acc), ss
+
+
+@triton.jit
+def product(x_ptr, w_ptr, b_ptr, g_ptr, M, K, eps, stride_xm, rn, n_ok,
+            HAS_BIAS: tl.constexpr, NORM: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """The (BLOCK_M, BLOCK_N) float32 product ``norm(x) @ w[rn].T + b[rn]`` of a program's weight
+    rows ``rn`` (those with ``n_ok``). Waits for the kernel ahead (PDL) after loading its first
+    PREFETCH weight tiles and its bias, which are parameters, and lets the kernel behind start."""
     rk = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
-    # The first weight tile and the bias are parameters: load them before waiting for x.
-    k_ok = rk < K
-    w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+    w0 = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & (rk < K)[None, :], other=0.0)
+    if PREFETCH > 1:
+        w1 = tl.load(w_rows + (BLOCK_K + rk)[None, :], mask=n_ok[:, None] & (BLOCK_K + rk < K)[None, :], other=0.0)
     if HAS_BIAS:
         bias = tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
     pdl.wait(USE_PDL)
     pdl.start_dependents(USE_PDL)
     if BLOCK_M == 1:
-        x = tl.load(x_ptr + rk, mask=k_ok, other=0.0)
-        acc1 = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-        for k0 in range(BLOCK_K, K, BLOCK_K):
-            k_ok = k0 + rk < K
-            w = tl.load(w_rows + (k0 + rk)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            x = tl.load(x_ptr + k0 + rk, mask=k_ok, other=0.0)
-            acc1 += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+        acc1, ss = _row_tile(w0, x_ptr, g_ptr, 0, rk, K, NORM)
+        if PREFETCH > 1:
+            part, part_ss = _row_tile(w1, x_ptr, g_ptr, BLOCK_K, rk, K, NORM)
+            acc1 += part
+            ss += part_ss
+        for k0 in range(PREFETCH * BLOCK_K, K, BLOCK_K):
+            w = tl.load(w_rows + (k0 + rk)[None, :], mask=n_ok[:, None] & (k0 + rk < K)[None, :], other=0.0)
+            part, part_ss = _row_tile(w, x_ptr, g_ptr, k0, rk, K, NORM)
+            acc1 += part
+            ss += part_ss
+        if NORM:
+            acc1 = acc1 / tl.sqrt(ss / K + eps)
         acc = acc1[None, :]
     else:
-        rows = tl.arange(0, BLOCK_M)
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + rk[None, :], mask=(rows < M)[:, None] & k_ok[None, :],
-                    other=0.0)
-        acc = tl.dot(x, tl.trans(w), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
-        for k0 in range(BLOCK_K, K, BLOCK_K):
-            k_ok = k0 + rk < K
-            w = tl.load(w_rows + (k0 + rk)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + (k0 + rk)[None, :],
-                        mask=(rows < M)[:, None] & k_ok[None, :], other=0.0)
-            acc = tl.dot(x, tl.trans(w), acc)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        acc, ss = _rows_tile(acc, ss, w0, x_ptr, g_ptr, stride_xm, M, 0, rk, K, NORM, BLOCK_M)
+        if PREFETCH > 1:
+            acc, ss = _rows_tile(acc, ss, w1, x_ptr, g_ptr, stride_xm, M, BLOCK_K, rk, K, NORM, BLOCK_M)
+        for k0 in range(PREFETCH * BLOCK_K, K, BLOCK_K):
+            w = tl.load(w_rows + (k0 + rk)[None, :], mask=n_ok[:, None] & (k0 + rk < K)[None, :], other=0.0)
+            acc, ss = _rows_tile(acc, ss, w, x_ptr, g_ptr, stride_xm, M, k0, rk, K, NORM, BLOCK_M)
+        if NORM:
+            acc = acc / tl.sqrt(ss / K + eps)[:, None]
     if HAS_BIAS:
         acc += bias[None, :]
+    return acc
+
+
+@compile_ahead.kernel
+@triton.jit
+def _linear_kernel(
+    x_ptr, w_ptr, b_ptr, g_ptr, res_ptr, out_ptr,
+    M, N, K, limit, eps,
+    stride_xm, stride_rm, stride_om,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
+    PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rn, n_ok = columns(pid, N, ACT, BLOCK_N)
+    acc = product(x_ptr, w_ptr, b_ptr, g_ptr, M, K, eps, stride_xm, rn, n_ok,
+                  HAS_BIAS, NORM, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL)
+    if HAS_RES:  # the residual stream's new value: this product plus the stream (no activation)
+        rm = tl.arange(0, BLOCK_M)
+        acc += tl.load(res_ptr + rm[:, None] * stride_rm + rn[None, :], mask=(rm < M)[:, None] & n_ok[None, :],
+                       other=0.0).to(tl.float32)
     store(acc, out_ptr, M, stride_om, pid, rn, n_ok, N, limit, ACT, BLOCK_M, BLOCK_N)
 
 
-def launch_config(n: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) for one row and N output columns, from
-    ``benchmarks/sweep_linear.py`` on an H200 (bf16, the llama-1b and Phi-3-Small layers): narrow
+def launch_config(n: int, m: int = 1) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, PREFETCH, num_stages) for ``m`` rows and N output columns,
+    from ``benchmarks/sweep_linear.py`` on an H200 (bf16, the llama-1b and Phi-3-Small layers): narrow
     layers need small column blocks for enough programs to stream HBM; wide ones do not."""
+    if m > 1:  # rows padded to 16 for tl.dot
+        return (16 if n <= 8192 else 32), 256, 4, 1, 3
     if n <= 3072:
-        return 4, 1024, 8
+        return 4, 1024, 8, 1, 1
     if n <= 4096:
-        return 8, 1024, 8
+        return 8, 1024, 8, 1, 1
     if n <= 8192:
-        return 4, 512, 4
-    return 32, 256, 8
+        return 4, 512, 4, 1, 1
+    return 32, 256, 8, 1, 1
 
 
 ACTIVATIONS = {"none": 0, "gegelu": 1, "silu_and_mul": 2}
@@ -125,9 +183,27 @@ NO_LIMIT = 1e38   # a GeGeLU limit no finite float32 value reaches (an op schema
 
 
 def launch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, activation: str = "none",
-           limit: float = NO_LIMIT, config: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """The launcher behind :func:`linear`; ``config`` (BLOCK_N, BLOCK_K, num_warps) overrides
-    :func:`launch_config` (benchmarks sweep it)."""
+           limit: float = NO_LIMIT, config: tuple[int, ...] | None = None, norm_weight: torch.Tensor | None = None,
+           eps: float = 0.0, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The Triton launch behind :func:`linear`; ``config`` (BLOCK_N, BLOCK_K, num_warps[, PREFETCH[,
+    num_stages]]) overrides :func:`launch_config` (benchmarks sweep it)."""
+    (m, k), n = x.shape, w.shape[0]
+    _check(x, w, b, activation, norm_weight, residual)
+    out = compile_ahead.output((m, n if activation == "none" else n // 2), x.dtype, x.device)
+    if m == 0:
+        return out
+    block_n, block_k, num_warps, prefetch, stages = (*(config or launch_config(n, m)), 1, 1)[:5]
+    block_m = 1 if m == 1 else max(16, triton.next_power_of_2(m))
+    _linear_kernel[(triton.cdiv(n, block_n),)](
+        x, w, w if b is None else b, w if norm_weight is None else norm_weight, out if residual is None else residual,
+        out, m, n, k, limit, eps, x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
+        HAS_BIAS=b is not None, ACT=ACTIVATIONS[activation], NORM=norm_weight is not None,
+        HAS_RES=residual is not None, PREFETCH=prefetch, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=num_warps, num_stages=stages, **pdl.options(x))
+    return out
+
+
+def _check(x, w, b, activation, norm_weight, residual) -> None:
     (m, k), n = x.shape, w.shape[0]
     if activation not in ACTIVATIONS or (activation != "none" and n % 2):
         raise ValueError(f"linear: activation must be one of {sorted(ACTIVATIONS)} (gated ones need an even "
@@ -136,29 +212,35 @@ def launch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, activation:
         raise ValueError(f"linear: x {tuple(x.shape)} (unit column stride), w {tuple(w.shape)} contiguous with "
                          f"{k} columns, b (N,) or None; got w strides {w.stride()}, b "
                          f"{None if b is None else tuple(b.shape)}")
-    out = compile_ahead.output((m, n if activation == "none" else n // 2), x.dtype, x.device)
-    if m == 0:
-        return out
-    block_n, block_k, num_warps = config or launch_config(n)
-    if m > 1 and config is None:  # rows padded to 16 for tl.dot
-        block_n, block_k, num_warps = max(block_n, 16), min(block_k, 512), 4
-    block_m = 1 if m == 1 else max(16, triton.next_power_of_2(m))
-    _linear_kernel[(triton.cdiv(n, block_n),)](
-        x, w, b if b is not None else w, out, m, n, k, limit, x.stride(0), out.stride(0),
-        HAS_BIAS=b is not None, ACT=ACTIVATIONS[activation], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps, **pdl.options(x))
-    return out
+    if norm_weight is not None and (norm_weight.shape != (k,) or norm_weight.stride() != (1,)):
+        raise ValueError(f"linear: norm_weight must be a contiguous ({k},) vector, got {tuple(norm_weight.shape)}")
+    if residual is not None and (activation != "none" or residual.shape != (m, n) or residual.stride(-1) != 1):
+        raise ValueError(f"linear: residual must be ({m}, {n}) with unit column stride and no activation, got "
+                         f"{tuple(residual.shape)} with activation {activation!r}")
 
 
 @custom_op("fullgraph::linear", mutates_args=())
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, activation: str = "none",
-           limit: float = NO_LIMIT) -> torch.Tensor:
-    """``x @ w.T + b`` (M, K) x (N, K) -> (M, N) in x's dtype, float32 accumulation; with a gated
+           limit: float = NO_LIMIT, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``norm(x) @ w.T + b`` (M, K) x (N, K) -> (M, N) in x's dtype, float32 accumulation; with a gated
     ``activation`` ("gegelu" over interleaved columns, "silu_and_mul" over [gate | up] halves, as
-    in ``kernels.activation``) applied to the float32 result: -> (M, N // 2)."""
-    return launch(x, w, b, activation, limit)
+    in ``kernels.activation``) applied to the float32 result: -> (M, N // 2); or plus ``residual``
+    (M, N). ``norm_weight``: x is RMS-normalised first (``eps``), on load: each program sums the
+    squares of the row it streams anyway, and scales its products by 1/rms at the end.
+
+    One launch of the weight-streaming kernel for one row; for more rows, that kernel or cuBLAS
+    (with the norm and the activation as kernels of their own), whichever ``linear_choice``
+    measured faster for the shape."""
+    args = (x, w, b, activation, limit)
+    if x.shape[0] > 1:
+        key = (x.shape[0], *w.shape, x.dtype, b is not None, activation, norm_weight is not None, residual is not None)
+        if not linear_choice.triton_wins(key, x, lambda: launch(*args, None, norm_weight, eps, residual),
+                                         lambda: linear_choice.unfused(*args, norm_weight, eps, residual)):
+            return linear_choice.unfused(*args, norm_weight, eps, residual)
+    return launch(*args, None, norm_weight, eps, residual)
 
 
 @linear.register_fake
-def _(x, w, b=None, activation="none", limit=NO_LIMIT):
+def _(x, w, b=None, activation="none", limit=NO_LIMIT, norm_weight=None, eps=0.0, residual=None):
     return x.new_empty((x.shape[0], w.shape[0] if activation == "none" else w.shape[0] // 2))

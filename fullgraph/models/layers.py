@@ -29,22 +29,40 @@ def use_kernels(x: torch.Tensor) -> bool:
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` whose one-row steps on CUDA (batch-1 decode) run ``kernels.linear``, a
-    weight-streaming kernel that beats cuBLAS there (one launch, no split-K reduce; measured in
-    ``benchmarks/sweep_linear.py``); every other call is ``F.linear``. Being a registered op,
-    it is used under ``torch.compile`` too (Inductor would call cuBLAS for it anyway). A gated
-    MLP asks ``uses_kernel(x)`` and then calls ``kernels.linear`` with its activation fused.
+    """``nn.Linear`` that can normalise its input first and add a residual after: ``forward(x, norm,
+    residual)`` is ``F.linear(norm(x)) + residual``, the shape of every projection in a pre-norm
+    decoder layer.
+
+    On CUDA in half precision it runs ``kernels.linear``: for one row (batch-1 decode) a
+    weight-streaming kernel that beats cuBLAS, with an RMSNorm applied on load (each program sums
+    the squares of the row it streams anyway), the residual added in its epilogue and a gated
+    ``activation`` (``kernels.linear``'s names; its reference is the caller's) fused, so a decoder
+    layer needs no norm or add kernels of its own; for a few rows, that kernel or cuBLAS, whichever
+    is faster for the shape (``kernels.linear_choice``). A LayerNorm runs as its own kernel first.
+    Everywhere else (the CPU, float32): the plain PyTorch ops, the reference.
     """
 
     def uses_kernel(self, x: torch.Tensor) -> bool:
         w = self.weight
-        return (kernels is not None and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1
+        return (kernels is not None and x.is_cuda and x.dim() == 2 and x.stride(-1) == 1
                 and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype and w.is_contiguous())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm: nn.Module | None = None, residual: torch.Tensor | None = None,
+                activation: str = "none", limit: float | None = None) -> torch.Tensor:
+        # x: (T, in_features), residual: (T, out_features) -> (T, out_features), or (T, out_features // 2) gated
         if self.uses_kernel(x):
-            return kernels.linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            norm_weight, eps = None, 0.0
+            if isinstance(norm, RMSNorm):
+                norm_weight, eps = norm.weight, norm.eps
+            elif norm is not None:
+                x = norm(x)
+            return kernels.linear(x, self.weight, self.bias, activation, kernels.linear_no_limit if limit is None
+                                  else limit, norm_weight, eps, residual)
+        if activation != "none":
+            raise ValueError(f"Linear: a fused activation ({activation!r}) needs the kernel path (uses_kernel); "
+                             "apply it to the output instead")
+        y = F.linear(x if norm is None else norm(x), self.weight, self.bias)
+        return y if residual is None else y + residual
 
 
 class RMSNorm(nn.Module):
@@ -93,20 +111,15 @@ class LayerNorm(nn.Module):
 
 
 class PreNormDecoderLayer(nn.Module):
-    """A pre-norm decoder layer over a residual stream: subclasses set ``input_layernorm``,
-    ``self_attn``, ``post_attention_layernorm`` and ``mlp``; each norm takes ``(x, residual)``
-    and adds before normalising (one fused launch on CUDA), so a layer returns its output and the
-    residual unsummed and the next norm (the next layer's, or the final one) adds them."""
+    """A pre-norm decoder layer over the residual stream: subclasses set ``input_layernorm``,
+    ``self_attn``, ``post_attention_layernorm`` and ``mlp``. The attention and the MLP each take
+    ``(x, norm, residual)``: their first projection normalises its input, their last adds the
+    stream back (``Linear``), so on the kernel path a layer is its projections and its attention."""
 
-    def forward(self, x, residual, positions, rope, kv_cache, metadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """(layer output, residual stream); ``residual`` is None for the first layer."""
-        if residual is None:
-            x, residual = self.input_layernorm(x), x
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, positions, rope, kv_cache, metadata)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+    def forward(self, x, positions, rope, kv_cache, metadata) -> torch.Tensor:
+        """The residual stream (T, hidden) after this layer."""
+        h = self.self_attn(x, positions, rope, kv_cache, metadata, norm=self.input_layernorm, residual=x)
+        return self.mlp(h, norm=self.post_attention_layernorm, residual=h)
 
 
 class RotaryEmbedding(nn.Module):

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..attention import Attention
 from .base import DecoderLM
-from .layers import Linear, PreNormDecoderLayer, RMSNorm, RotaryEmbedding, init_random_, kernels, silu_and_mul
+from .layers import Linear, PreNormDecoderLayer, RMSNorm, RotaryEmbedding, init_random_, silu_and_mul
 from .rope import SUPPORTED as ROPE_TYPES
 from .rope import rope_tables
 
@@ -141,9 +141,9 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(c.num_heads, c.num_kv_heads, c.head_dim, scale=c.head_dim ** -0.5,
                               sliding_window=c.window(layer))
 
-    def forward(self, x, positions, rope: RotaryEmbedding, kv_cache, metadata) -> torch.Tensor:
+    def forward(self, x, positions, rope: RotaryEmbedding, kv_cache, metadata, norm=None, residual=None) -> torch.Tensor:
         a = self.attn
-        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q, k, v = self.qkv_proj(x, norm).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = q.view(-1, a.num_heads, a.head_dim)          # (T, H, D)
         k = k.view(-1, a.num_kv_heads, a.head_dim)       # (T, KVH, D)
         v = v.view(-1, a.num_kv_heads, a.head_dim)
@@ -151,7 +151,7 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(q.reshape(-1, a.head_dim)).view(q.shape)
             k = self.k_norm(k.reshape(-1, a.head_dim)).view(k.shape)
         # Attention rotates q and k (in the KV-write kernel where the writer can fuse it).
-        return self.o_proj(a(q, k, v, kv_cache, metadata, rope=rope, positions=positions))
+        return self.o_proj(a(q, k, v, kv_cache, metadata, rope=rope, positions=positions), residual=residual)
 
 
 class LlamaMLP(nn.Module):
@@ -160,11 +160,11 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = Linear(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias, **factory)
         self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias, **factory)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm=None, residual=None) -> torch.Tensor:
         up = self.gate_up_proj
-        if up.uses_kernel(x):  # projection and SwiGLU in one launch
-            return self.down_proj(kernels.linear(x, up.weight, up.bias, "silu_and_mul"))
-        return self.down_proj(silu_and_mul(up(x)))
+        if up.uses_kernel(x):  # the norm, the projection and SwiGLU in one launch
+            return self.down_proj(up(x, norm, activation="silu_and_mul"), residual=residual)
+        return self.down_proj(silu_and_mul(up(x, norm)), residual=residual)
 
 
 class LlamaDecoderLayer(PreNormDecoderLayer):

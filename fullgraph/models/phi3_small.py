@@ -165,15 +165,15 @@ class Phi3SmallAttention(nn.Module):
         self.attn = Attention(h, kvh, d, scale=c.attn_scale, kind="dense" if dense else "blocksparse",
                               sparse=None if dense else c.sparse_config())
 
-    def forward(self, x, positions, rope: RotaryEmbedding, kv_cache, metadata) -> torch.Tensor:
+    def forward(self, x, positions, rope: RotaryEmbedding, kv_cache, metadata, norm=None, residual=None) -> torch.Tensor:
         a = self.attn
         group = a.num_heads // a.num_kv_heads
         # Head-major rows: per KV group g, [q_{g*G} .. q_{g*G+G-1}, k_g, v_g] of head_dim each.
         # All three stay views: RoPE (fused into the KV write where the backend can) reads the
         # grouped q and writes (T, H, D); the KV write reads k and v.
-        qkv = self.query_key_value(x).view(-1, a.num_kv_heads, group + 2, a.head_dim)   # (T, KVH, G+2, D)
+        qkv = self.query_key_value(x, norm).view(-1, a.num_kv_heads, group + 2, a.head_dim)   # (T, KVH, G+2, D)
         q, k, v = qkv[:, :, :group], qkv[:, :, group], qkv[:, :, group + 1]              # (T, KVH, G|-, D)
-        return self.dense(a(q, k, v, kv_cache, metadata, rope=rope, positions=positions))
+        return self.dense(a(q, k, v, kv_cache, metadata, rope=rope, positions=positions), residual=residual)
 
 
 class Phi3SmallMLP(nn.Module):
@@ -183,12 +183,11 @@ class Phi3SmallMLP(nn.Module):
         self.up_proj = Linear(c.hidden_size, 2 * c.ff_intermediate_size, bias=True, **factory)
         self.down_proj = Linear(c.ff_intermediate_size, c.hidden_size, bias=True, **factory)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm=None, residual=None) -> torch.Tensor:
         up = self.up_proj
-        if up.uses_kernel(x):  # projection and GeGeLU in one launch
-            limit = kernels.linear_no_limit if self.limit is None else self.limit
-            return self.down_proj(kernels.linear(x, up.weight, up.bias, "gegelu", limit))
-        return self.down_proj(gegelu(up(x), self.limit))
+        if up.uses_kernel(x):  # (the norm,) the projection and GeGeLU in one launch
+            return self.down_proj(up(x, norm, activation="gegelu", limit=self.limit), residual=residual)
+        return self.down_proj(gegelu(up(x, norm), self.limit), residual=residual)
 
 
 class Phi3SmallDecoderLayer(PreNormDecoderLayer):

@@ -12,7 +12,7 @@ from .group import TensorParallel
 class RowParallelLinear(Linear):
     """A linear whose input features are split across ranks: each rank multiplies its slice of
     the input by its columns of the weight, one all-reduce sums them, then the (whole) bias is
-    added once. Its batch-1 kernel path is ``Linear``'s."""
+    added once, then the residual, if given. Its kernel path is ``Linear``'s."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp: TensorParallel) -> None:
         super().__init__(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
@@ -20,10 +20,15 @@ class RowParallelLinear(Linear):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.tp = tp
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm: nn.Module | None = None, residual: torch.Tensor | None = None,
+                activation: str = "none", limit: float | None = None) -> torch.Tensor:
+        if norm is not None or activation != "none":
+            raise ValueError("RowParallelLinear: its input is split across ranks, so it cannot normalise it or "
+                             "gate its output (the sum exists only after the all-reduce)")
         y = kernels.linear(x, self.weight, None) if self.uses_kernel(x) else F.linear(x, self.weight)
         y = self.tp.all_reduce(y)
-        return y if self.bias is None else y + self.bias
+        y = y if self.bias is None else y + self.bias
+        return y if residual is None else y + residual
 
 
 class VocabParallelEmbedding(nn.Module):
