@@ -17,6 +17,7 @@
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)  # absolute: parts that compare trees run from .base/
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 
@@ -33,28 +34,29 @@ case $part in
 baseline)  # the same decode rows at an earlier commit (.base) and now, in one process each, back to back
     for tree in .base .; do
         tag=$([ "$tree" = . ] && echo new || echo old)
-        PYTHONPATH=$tree run "decode_llama1b_$tag" 100 python3 -m fullgraph.bench decode --preset llama-1b --batch 1 32 \
-            --context 1024 --modes full --steps 40 --loop sync overlap --out "$OUT/decode_llama1b_$tag.json"
-        PYTHONPATH=$tree run "decode_phi3_$tag" 120 python3 -m fullgraph.bench decode --preset phi3-small-8k --batch 1 \
-            --context 2048 --modes full --steps 40 --loop sync overlap --out "$OUT/decode_phi3_$tag.json"
+        (cd $tree && PYTHONPATH=. run "decode_llama1b_$tag" 100 python3 -m fullgraph.bench decode --preset llama-1b \
+            --batch 1 32 --context 1024 --modes full --steps 40 --loop sync overlap --out "$OUT/decode_llama1b_$tag.json")
+        (cd $tree && PYTHONPATH=. run "decode_phi3_$tag" 120 python3 -m fullgraph.bench decode --preset phi3-small-8k \
+            --batch 1 --context 2048 --modes full --steps 40 --loop sync overlap --out "$OUT/decode_phi3_$tag.json")
     done
     ;;
-decode-ab)  # the decode rows of issue 31 at an earlier commit (.base) and now, back to back, PDL on
+decode-ab)  # the decode rows of issue 31 at an earlier commit (.base) and now, back to back, PDL on; each
+    # tree runs from its own directory (python -m puts the working directory ahead of PYTHONPATH)
     for tree in .base .; do
         tag=$([ "$tree" = . ] && echo new || echo old)
         for preset in llama-1b smollm2-135m; do
-            PYTHONPATH=$tree run "ab_${preset}_$tag" 100 python3 -m fullgraph.bench decode --preset $preset --batch 1 32 \
-                --context 1024 --modes full --steps 40 --loop sync overlap --out "$OUT/ab_${preset}_$tag.json"
+            (cd $tree && PYTHONPATH=. run "ab_${preset}_$tag" 100 python3 -m fullgraph.bench decode --preset $preset \
+                --batch 1 32 --context 1024 --modes full --steps 40 --loop sync overlap --out "$OUT/ab_${preset}_$tag.json")
         done
     done
     ;;
 decode-ab-big)  # the same for the 7-8B shapes
     for tree in .base .; do
         tag=$([ "$tree" = . ] && echo new || echo old)
-        PYTHONPATH=$tree run "ab_llama8b_$tag" 120 python3 -m fullgraph.bench decode --preset llama-8b --batch 1 32 \
-            --context 1024 --modes full --steps 30 --loop sync overlap --out "$OUT/ab_llama8b_$tag.json"
-        PYTHONPATH=$tree run "ab_phi3_$tag" 120 python3 -m fullgraph.bench decode --preset phi3-small-8k --batch 1 \
-            --context 2048 --modes full --steps 30 --loop sync overlap --out "$OUT/ab_phi3_$tag.json"
+        (cd $tree && PYTHONPATH=. run "ab_llama8b_$tag" 120 python3 -m fullgraph.bench decode --preset llama-8b \
+            --batch 1 32 --context 1024 --modes full --steps 30 --loop sync overlap --out "$OUT/ab_llama8b_$tag.json")
+        (cd $tree && PYTHONPATH=. run "ab_phi3_$tag" 120 python3 -m fullgraph.bench decode --preset phi3-small-8k \
+            --batch 1 --context 2048 --modes full --steps 30 --loop sync overlap --out "$OUT/ab_phi3_$tag.json")
     done
     ;;
 sweep-skinny)  # our linear's launch configurations against cuBLAS: one row and a few, plain and with the norm on load

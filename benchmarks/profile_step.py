@@ -25,7 +25,8 @@ import torch
 # kernel name (a regular expression, first match wins) -> kind; the LM head is told apart by
 # order: the step's last matrix kernel
 KINDS = (
-    ("linear", r"_norm_linear_kernel"),   # RMSNorm fused into a linear: a linear (it reads the weights)
+    # a linear with the norm on load, or with RoPE and the KV write in its epilogue: a linear (it reads the weights)
+    ("linear", r"_norm_linear_kernel|_linear_rope_kv_kernel"),
     ("attention", r"paged_attention|blocksparse_decode|blocksparse_prefill|flash|fmha|sdpa|attention"),
     ("split-KV reduce", r"split_kv_reduce|blocksparse_reduce"),
     ("rope + KV write", r"rope|kv_write"),

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import fullgraph.env
+from fullgraph.attention import Attention
 from fullgraph.kernels import linear_choice
 from fullgraph.kernels.linear import NO_LIMIT, launch, launch_config, linear
 from fullgraph.models.layers import Linear
@@ -196,8 +197,11 @@ def test_models_on_the_kernel_path_match_the_separate_ops(monkeypatch, preset, r
         return torch.cat([runner.step([fg.SeqChunk([t], 4 + i, ids)]).logits for i, t in enumerate((3, 11))])
 
     want = decode_logits()
-    seen = []
+    seen, fused = [], []
     monkeypatch.setattr(Linear, "uses_kernel", lambda self, x: seen.append(x.shape[0]) or rows == "all" or x.shape[0] == 1)
+    # the fused QKV projection (RoPE and the KV write in its epilogue) wherever the kernel path is taken
+    monkeypatch.setattr(Attention, "projection_writes", lambda self, metadata, rope, x: fused.append(x.shape[0]) or True)
     got = decode_logits()
     assert 1 in seen and max(seen) > 1          # both paths were taken (prefill rows > 1, decode one row)
+    assert 1 in fused and (max(fused) > 1) == (rows == "all")
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

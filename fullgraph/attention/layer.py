@@ -42,15 +42,30 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale, self.kind, self.sparse, self.sliding_window = scale, kind, sparse, sliding_window
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+    def projection_writes(self, metadata: AttentionMetadata, rope: Rotary | None, x: torch.Tensor) -> bool:
+        """Whether the projection that makes q, k and v from ``x`` may rotate them and write k and v
+        into the cache itself (one kernel: ``kernels.linear_rope_kv_write``): the backend writes
+        with our kernel, reads the new keys from the cache, and the rotation fuses for ``x``.
+        The layer is then called with ``written=True``."""
+        backend = metadata.backends[self.kind]
+        return (rope is not None and backend.kv_writer.impl == "kernel" and not backend.reads_new_kv
+                and rope.fusable(x))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, *, rope: Rotary | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, written: bool = False) -> torch.Tensor:
         # q: (T, num_heads, head_dim), or grouped (T, num_kv_heads, G, head_dim) with rope;
-        # k, v: (T, num_kv_heads, head_dim) -> (T, num_heads * head_dim)
+        # k, v: (T, num_kv_heads, head_dim) -> (T, num_heads * head_dim). written: q is rotated and
+        # the new keys and values are in the cache already (``projection_writes``); k, v are None.
         if (rope is None) != (positions is None):
             raise ValueError("Attention.forward takes rope and positions together (or neither)")
         backend = metadata.backends[self.kind]
-        q, k, v = backend.kv_writer(q, k, v, kv_cache, metadata, rope, positions, keep_kv=backend.reads_new_kv)
+        if written:
+            if k is not None or v is not None or rope is not None or backend.reads_new_kv:
+                raise ValueError("Attention.forward(written=True) takes the rotated q alone (k, v, rope None), for a "
+                                 f"backend that reads the new keys from the cache ({backend.name!r} does not)")
+        else:
+            q, k, v = backend.kv_writer(q, k, v, kv_cache, metadata, rope, positions, keep_kv=backend.reads_new_kv)
         out = backend.forward(self, q, k, v, kv_cache, metadata)                     # (T, H, D)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 

@@ -93,6 +93,8 @@ def _rows_tile(acc, ss, w, x_ptr, g_ptr, stride_xm, M, k0, rk, K, NORM: tl.const
         xf = x.to(tl.float32)
         ss += tl.sum(xf * xf, axis=1)
         x = (xf * tl.load(g_ptr + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)[None, :]).to(w.dtype)
+    if w.dtype == tl.float32:  # exact float32 products (tl.dot's default is TF32)
+        return tl.dot(x, tl.trans(w), acc, input_precision="ieee"), ss
     return tl.dot(x, tl.trans(w), acc), ss
 
 

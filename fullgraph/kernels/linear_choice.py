@@ -23,7 +23,7 @@ from . import compile_ahead, norm
 
 logger = logging.getLogger("fullgraph")
 
-MAX_ROWS = 64
+MAX_ROWS = 64   # more rows take cuBLAS (with the norm and the activation as kernels of their own)
 _choice: dict[tuple, bool] = {}   # shape key -> whether our kernel was the faster
 
 
@@ -36,13 +36,13 @@ def triton_wins(key: tuple, x: torch.Tensor, ours: Callable[[], torch.Tensor],
                 theirs: Callable[[], torch.Tensor]) -> bool:
     """Whether our kernel (the call ``ours``) serves the linear of shape ``key`` on ``x`` (more than
     one row) rather than ``theirs`` (:func:`unfused`): measured once per key outside a capture."""
+    if x.shape[0] > MAX_ROWS:  # prefill: tiles of every row would not fit
+        return False
     impl = env.linear_impl()
     if impl != "auto":
         return impl == "triton"
     if not x.is_cuda:  # the interpreter: ours, the kernel under test
         return True
-    if x.shape[0] > MAX_ROWS:
-        return False
     won = _choice.get(key)
     if won is not None:
         return won

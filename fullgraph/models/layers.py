@@ -51,11 +51,7 @@ class Linear(nn.Linear):
                 activation: str = "none", limit: float | None = None) -> torch.Tensor:
         # x: (T, in_features), residual: (T, out_features) -> (T, out_features), or (T, out_features // 2) gated
         if self.uses_kernel(x):
-            norm_weight, eps = None, 0.0
-            if isinstance(norm, RMSNorm):
-                norm_weight, eps = norm.weight, norm.eps
-            elif norm is not None:
-                x = norm(x)
+            x, norm_weight, eps = _norm_on_load(x, norm)
             return kernels.linear(x, self.weight, self.bias, activation, kernels.linear_no_limit if limit is None
                                   else limit, norm_weight, eps, residual)
         if activation != "none":
@@ -63,6 +59,24 @@ class Linear(nn.Linear):
                              "apply it to the output instead")
         y = F.linear(x if norm is None else norm(x), self.weight, self.bias)
         return y if residual is None else y + residual
+
+    def rope_kv_write(self, x: torch.Tensor, norm: nn.Module | None, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      positions: torch.Tensor, rope: RotaryEmbedding, num_heads: int, num_kv_heads: int,
+                      layout: str) -> torch.Tensor:
+        """The fused QKV projection of an attention layer on the kernel path (``uses_kernel``):
+        ``norm(x) @ W.T + b`` split into heads by ``layout`` ("llama": [q | k | v], "grouped": per
+        KV head its queries, then k and v), q and k rotated, k and v written into ``kv_cache`` at
+        ``slot_mapping``, in one launch. Returns the rotated q, (T, num_heads, head_dim)."""
+        x, norm_weight, eps = _norm_on_load(x, norm)
+        return kernels.linear_rope_kv_write(x, self.weight, self.bias, norm_weight, eps, kv_cache, slot_mapping,
+                                            positions, rope.cos, rope.sin, num_heads, num_kv_heads, layout)
+
+
+def _norm_on_load(x: torch.Tensor, norm: nn.Module | None) -> tuple[torch.Tensor, torch.Tensor | None, float]:
+    """(input, norm weight, eps) for a kernel that applies an RMSNorm on load; any other norm runs first."""
+    if isinstance(norm, RMSNorm):
+        return x, norm.weight, norm.eps
+    return (x if norm is None else norm(x)), None, 0.0
 
 
 class RMSNorm(nn.Module):

@@ -143,6 +143,11 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x, positions, rope: RotaryEmbedding, kv_cache, metadata, norm=None, residual=None) -> torch.Tensor:
         a = self.attn
+        if not hasattr(self, "q_norm") and self.qkv_proj.uses_kernel(x) and a.projection_writes(metadata, rope, x):
+            # one launch: the norm, the projection, RoPE on q and k, and k and v into the cache
+            q = self.qkv_proj.rope_kv_write(x, norm, kv_cache, metadata.require("slot_mapping", "qkv_proj"), positions,
+                                            rope, a.num_heads, a.num_kv_heads, "llama")
+            return self.o_proj(a(q, None, None, kv_cache, metadata, written=True), residual=residual)
         q, k, v = self.qkv_proj(x, norm).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = q.view(-1, a.num_heads, a.head_dim)          # (T, H, D)
         k = k.view(-1, a.num_kv_heads, a.head_dim)       # (T, KVH, D)

@@ -167,6 +167,11 @@ class Phi3SmallAttention(nn.Module):
 
     def forward(self, x, positions, rope: RotaryEmbedding, kv_cache, metadata, norm=None, residual=None) -> torch.Tensor:
         a = self.attn
+        if self.query_key_value.uses_kernel(x) and a.projection_writes(metadata, rope, x):
+            # one launch: the norm, the projection, RoPE on q and k, and k and v into the cache
+            q = self.query_key_value.rope_kv_write(x, norm, kv_cache, metadata.require("slot_mapping", "query_key_value"),
+                                                   positions, rope, a.num_heads, a.num_kv_heads, "grouped")
+            return self.dense(a(q, None, None, kv_cache, metadata, written=True), residual=residual)
         group = a.num_heads // a.num_kv_heads
         # Head-major rows: per KV group g, [q_{g*G} .. q_{g*G+G-1}, k_g, v_g] of head_dim each.
         # All three stay views: RoPE (fused into the KV write where the backend can) reads the
