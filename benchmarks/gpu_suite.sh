@@ -50,6 +50,25 @@ decode-ab)  # the decode rows of issue 31 at an earlier commit (.base) and now, 
         done
     done
     ;;
+fusions)  # what each decoder-layer fusion is worth: .base/ beside ours with each one unfused (FULLGRAPH_UNFUSE)
+    for variant in old all-on rope norm residual norm,residual,rope; do
+        tree=.; [ $variant = old ] && tree=.base
+        unfuse=$variant; [ $variant = old ] || [ $variant = all-on ] && unfuse=
+        tag=${variant//,/+}
+        for preset in smollm2-135m llama-1b; do
+            (cd $tree && FULLGRAPH_UNFUSE=$unfuse PYTHONPATH=. run "fuse_${preset}_$tag" 60 python3 -m fullgraph.bench \
+                decode --preset $preset --batch 1 32 --context 1024 --modes full --steps 30 --loop overlap \
+                --out "$OUT/fuse_${preset}_$tag.json")
+        done
+        (cd $tree && FULLGRAPH_UNFUSE=$unfuse PYTHONPATH=. run "fuse_llama8b_$tag" 60 python3 -m fullgraph.bench decode \
+            --preset llama-8b --batch 1 --context 1024 --modes full --steps 30 --loop overlap --out "$OUT/fuse_llama8b_$tag.json")
+    done
+    for tree in .base .; do  # kernel by kernel, PDL off so that the times add up
+        tag=$([ "$tree" = . ] && echo new || echo old)
+        (cd $tree && FULLGRAPH_PDL=0 PYTHONPATH=. run "profile_smollm2_$tag" 60 python3 "$OLDPWD/benchmarks/profile_step.py" \
+            --preset smollm2-135m --batch 1 --context 1024 --out "$OUT/profile_smollm2_$tag.json")
+    done
+    ;;
 decode-ab-big)  # the same for the 7-8B shapes
     for tree in .base .; do
         tag=$([ "$tree" = . ] && echo new || echo old)

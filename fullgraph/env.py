@@ -14,8 +14,12 @@ variable                          effect                                        
 ``FULLGRAPH_COMPILE=0|1``         forces ``RunnerConfig.compile``                     at construction
 ``FULLGRAPH_PDL=0``               no programmatic dependent launch                    once
 ``FULLGRAPH_COMPILE_WORKERS=N``   threads compiling Triton kernels ahead (0: off)     at each capture
-``FULLGRAPH_LINEAR=IMPL``         linears of 2-64 rows: ``auto`` (measured per shape, once
-                                  the default), ``triton`` or ``cublas``
+``FULLGRAPH_LINEAR=IMPL``         linears of 2-64 rows: ``auto`` (cuBLAS on CUDA, the       once
+                                  default), ``triton`` or ``cublas``
+``FULLGRAPH_UNFUSE=A,B``          run these decoder-layer fusions as separate kernels:     once
+                                  ``norm`` (RMSNorm on load), ``residual`` (the add in
+                                  the epilogue), ``rope`` (RoPE + KV write in the QKV
+                                  projection); for measuring what each is worth
 ================================  ==================================================  ==================
 """
 from __future__ import annotations
@@ -28,6 +32,8 @@ COMPILE = "FULLGRAPH_COMPILE"
 PDL = "FULLGRAPH_PDL"
 COMPILE_WORKERS = "FULLGRAPH_COMPILE_WORKERS"
 LINEAR = "FULLGRAPH_LINEAR"
+UNFUSE = "FULLGRAPH_UNFUSE"
+FUSIONS = ("norm", "residual", "rope")
 
 
 def _flag(name: str) -> bool:
@@ -75,3 +81,12 @@ def linear_impl() -> str:
     if value not in ("auto", "triton", "cublas"):
         raise ValueError(f"{LINEAR}={value!r}: expected auto, triton or cublas")
     return value
+
+
+@functools.cache
+def unfused() -> frozenset[str]:
+    """``FULLGRAPH_UNFUSE``: the decoder-layer fusions to run as separate kernels (read once)."""
+    names = frozenset(n for n in os.environ.get(UNFUSE, "").split(",") if n)
+    if not names <= set(FUSIONS):
+        raise ValueError(f"{UNFUSE}={os.environ[UNFUSE]!r}: expected a comma-separated subset of {FUSIONS}")
+    return names

@@ -82,22 +82,12 @@ def test_the_cublas_form_computes_the_same(epilogue):
                                rtol=1e-5, atol=1e-4)
 
 
-def test_the_choice_is_forced_by_the_environment_and_kept_per_shape(monkeypatch):
-    calls = []
-    ours, theirs = (lambda: calls.append("ours")), (lambda: calls.append("theirs"))
+def test_the_choice_follows_the_environment_and_sends_prefill_to_cublas(monkeypatch):
     x = torch.randn(4, 8, device=DEVICE)
-    for impl, want in (("triton", True), ("cublas", False)):
+    for impl, want in (("triton", True), ("cublas", False), ("auto", not x.is_cuda)):
         monkeypatch.setattr(fullgraph.env, "linear_impl", lambda impl=impl: impl)
-        assert linear_choice.triton_wins(("key",), x, ours, theirs) is want
-    assert calls == []  # forced: nothing measured
-    monkeypatch.setattr(fullgraph.env, "linear_impl", lambda: "auto")
-    if not x.is_cuda:  # the interpreter runs ours: the kernel under test
-        assert linear_choice.triton_wins(("key",), x, ours, theirs) is True and calls == []
-        return
-    key = ("test", x.shape[0])
-    monkeypatch.setitem(linear_choice._choice, key, False)
-    assert linear_choice.triton_wins(key, x, ours, theirs) is False and calls == []
-    assert linear_choice.triton_wins(("too many rows",), torch.randn(65, 8, device=DEVICE), ours, theirs) is False
+        assert linear_choice.triton_wins(x) is want
+        assert linear_choice.triton_wins(torch.randn(linear_choice.MAX_ROWS + 1, 8, device=DEVICE)) is False
 
 
 def test_default_config_and_registered_op():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .. import env
 from .interface import AttentionMetadata, Rotary
 
 
@@ -49,7 +50,7 @@ class Attention(nn.Module):
         The layer is then called with ``written=True``."""
         backend = metadata.backends[self.kind]
         return (rope is not None and backend.kv_writer.impl == "kernel" and not backend.reads_new_kv
-                and rope.fusable(x))
+                and rope.fusable(x) and "rope" not in env.unfused())
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, *, rope: Rotary | None = None,

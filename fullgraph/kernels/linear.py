@@ -18,8 +18,8 @@ then optionally a gated activation (GeGeLU over interleaved column pairs, SwiGLU
 Layout contract: x (M, K) with unit column stride, w (N, K) contiguous, b (N,) or None, norm
 weight (K,) or None, residual (M, N) with unit column stride or None; returns a new (M, N) (or
 (M, N // 2) gated) tensor in x's dtype. Registered as ``fullgraph::linear`` (with a fake), so
-``torch.compile`` keeps it one opaque launch; for more than one row the op serves the shape with
-this kernel or cuBLAS, whichever ``linear_choice`` measured faster.
+``torch.compile`` keeps it one opaque launch; for more than one row the op takes cuBLAS unless
+``linear_choice`` says this kernel.
 """
 from __future__ import annotations
 
@@ -231,15 +231,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, acti
     (M, N). ``norm_weight``: x is RMS-normalised first (``eps``), on load: each program sums the
     squares of the row it streams anyway, and scales its products by 1/rms at the end.
 
-    One launch of the weight-streaming kernel for one row; for more rows, that kernel or cuBLAS
-    (with the norm and the activation as kernels of their own), whichever ``linear_choice``
-    measured faster for the shape."""
+    One launch of the weight-streaming kernel for one row; for more rows, cuBLAS with the norm and
+    the activation as kernels of their own, unless ``linear_choice`` says ours."""
     args = (x, w, b, activation, limit)
-    if x.shape[0] > 1:
-        key = (x.shape[0], *w.shape, x.dtype, b is not None, activation, norm_weight is not None, residual is not None)
-        if not linear_choice.triton_wins(key, x, lambda: launch(*args, None, norm_weight, eps, residual),
-                                         lambda: linear_choice.unfused(*args, norm_weight, eps, residual)):
-            return linear_choice.unfused(*args, norm_weight, eps, residual)
+    if x.shape[0] > 1 and not linear_choice.triton_wins(x):
+        return linear_choice.unfused(*args, norm_weight, eps, residual)
     return launch(*args, None, norm_weight, eps, residual)
 
 

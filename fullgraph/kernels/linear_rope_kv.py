@@ -167,13 +167,10 @@ def linear_rope_kv_write(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | Non
     """q_out (T, H, D) = the rotated q heads of ``norm(x) @ w.T + b``; the rotated k heads and the
     v heads written into ``kv_cache`` at ``slot_mapping`` (in place). One launch; see the module
     docstring for the algorithm and the layout contract. For more than one row: that launch, or
-    ``linear`` then ``rope_kv_write`` (cuBLAS for the product), whichever ``linear_choice``
-    measured faster for the shape."""
+    ``linear`` then ``rope_kv_write`` (cuBLAS for the product) unless ``linear_choice`` says ours."""
     args = (x, w, b, norm_weight, eps, kv_cache, slot_mapping, positions, cos, sin, num_heads, num_kv_heads, layout)
-    if x.shape[0] > 1:
-        key = ("rope_kv", x.shape[0], *w.shape, x.dtype, b is not None, norm_weight is not None, layout)
-        if not linear_choice.triton_wins(key, x, lambda: launch(*args), lambda: _two_launches(*args)):
-            return _two_launches(*args)
+    if x.shape[0] > 1 and not linear_choice.triton_wins(x):
+        return _two_launches(*args)
     return launch(*args)
 
 

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import env
 from .rope import llama3_inv_freq, rope_inv_freq  # noqa: F401  (re-exported: the models' RoPE tables)
 
 try:
@@ -52,8 +53,10 @@ class Linear(nn.Linear):
         # x: (T, in_features), residual: (T, out_features) -> (T, out_features), or (T, out_features // 2) gated
         if self.uses_kernel(x):
             x, norm_weight, eps = _norm_on_load(x, norm)
-            return kernels.linear(x, self.weight, self.bias, activation, kernels.linear_no_limit if limit is None
-                                  else limit, norm_weight, eps, residual)
+            later = residual if "residual" in env.unfused() else None
+            y = kernels.linear(x, self.weight, self.bias, activation, kernels.linear_no_limit if limit is None
+                               else limit, norm_weight, eps, None if later is not None else residual)
+            return y if later is None else y + later
         if activation != "none":
             raise ValueError(f"Linear: a fused activation ({activation!r}) needs the kernel path (uses_kernel); "
                              "apply it to the output instead")
@@ -74,7 +77,7 @@ class Linear(nn.Linear):
 
 def _norm_on_load(x: torch.Tensor, norm: nn.Module | None) -> tuple[torch.Tensor, torch.Tensor | None, float]:
     """(input, norm weight, eps) for a kernel that applies an RMSNorm on load; any other norm runs first."""
-    if isinstance(norm, RMSNorm):
+    if isinstance(norm, RMSNorm) and "norm" not in env.unfused():
         return x, norm.weight, norm.eps
     return (x if norm is None else norm(x)), None, 0.0
 
