@@ -50,18 +50,20 @@ decode-ab)  # the decode rows of issue 31 at an earlier commit (.base) and now, 
         done
     done
     ;;
-fusions)  # what each decoder-layer fusion is worth: .base/ beside ours with each one unfused (FULLGRAPH_UNFUSE)
-    for variant in old all-on rope norm residual norm,residual,rope; do
-        tree=.; [ $variant = old ] && tree=.base
-        unfuse=$variant; [ $variant = old ] || [ $variant = all-on ] && unfuse=
-        tag=${variant//,/+}
+fusions)  # what each decoder-layer fusion is worth: .base/ beside ours with each one unfused (FULLGRAPH_UNFUSE),
+    # and both with programmatic dependent launch off, and ours with the linears' dependents started late
+    for variant in "old .base - 1" "all-on . - 1" "rope . rope 1" "norm . norm 1" "all-off . norm,residual,rope 1" \
+                   "old-pdl0 .base - 0" "all-on-pdl0 . - 0" "all-on-late . - late"; do
+        set -- $variant
+        tag=$1 tree=$2 unfuse=${3#-} pdl=$4
         for preset in smollm2-135m llama-1b; do
-            (cd $tree && FULLGRAPH_UNFUSE=$unfuse PYTHONPATH=. run "fuse_${preset}_$tag" 60 python3 -m fullgraph.bench \
-                decode --preset $preset --batch 1 32 --context 1024 --modes full --steps 30 --loop overlap \
-                --out "$OUT/fuse_${preset}_$tag.json")
+            (cd $tree && FULLGRAPH_PDL=$pdl FULLGRAPH_UNFUSE=$unfuse PYTHONPATH=. run "fuse_${preset}_$tag" 60 \
+                python3 -m fullgraph.bench decode --preset $preset --batch 1 32 --context 1024 --modes full --steps 30 \
+                --loop overlap --out "$OUT/fuse_${preset}_$tag.json")
         done
-        (cd $tree && FULLGRAPH_UNFUSE=$unfuse PYTHONPATH=. run "fuse_llama8b_$tag" 60 python3 -m fullgraph.bench decode \
-            --preset llama-8b --batch 1 --context 1024 --modes full --steps 30 --loop overlap --out "$OUT/fuse_llama8b_$tag.json")
+        (cd $tree && FULLGRAPH_PDL=$pdl FULLGRAPH_UNFUSE=$unfuse PYTHONPATH=. run "fuse_llama8b_$tag" 60 \
+            python3 -m fullgraph.bench decode --preset llama-8b --batch 1 --context 1024 --modes full --steps 30 \
+            --loop overlap --out "$OUT/fuse_llama8b_$tag.json")
     done
     for tree in .base .; do  # kernel by kernel, PDL off so that the times add up
         tag=$([ "$tree" = . ] && echo new || echo old)

@@ -13,6 +13,8 @@ variable                          effect                                        
 ``FULLGRAPH_CUDAGRAPH=MODE``      forces ``RunnerConfig.cudagraph`` (none/padded/full) at construction
 ``FULLGRAPH_COMPILE=0|1``         forces ``RunnerConfig.compile``                     at construction
 ``FULLGRAPH_PDL=0``               no programmatic dependent launch                    once
+``FULLGRAPH_PDL=late``            the linears let the kernel behind start only after   once
+                                  their last weight tile, not right after their wait
 ``FULLGRAPH_COMPILE_WORKERS=N``   threads compiling Triton kernels ahead (0: off)     at each capture
 ``FULLGRAPH_LINEAR=IMPL``         linears of 2-64 rows: ``auto`` (cuBLAS on CUDA, the       once
                                   default), ``triton`` or ``cublas``
@@ -51,6 +53,12 @@ def triton_interpret() -> bool:
 def pdl_disabled() -> bool:
     """``FULLGRAPH_PDL=0`` switches programmatic dependent launch off (read once)."""
     return os.environ.get(PDL, "1") == "0"
+
+
+@functools.cache
+def pdl_late() -> bool:
+    """``FULLGRAPH_PDL=late``: linears start their dependents after their K loop (read once)."""
+    return os.environ.get(PDL, "1") == "late"
 
 
 def cudagraph_override() -> str | None:

@@ -195,3 +195,24 @@ def test_models_on_the_kernel_path_match_the_separate_ops(monkeypatch, preset, r
     assert 1 in seen and max(seen) > 1          # both paths were taken (prefill rows > 1, decode one row)
     assert 1 in fused and (max(fused) > 1) == (rows == "all")
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_unfuse_switch_is_validated_and_unfused_layers_compute_the_same(monkeypatch):
+    """``FULLGRAPH_UNFUSE`` (measurement only): a bad name is refused; with every fusion run as
+    separate kernels, a model on the kernel path gives the same logits as with them fused."""
+    monkeypatch.setenv(fullgraph.env.UNFUSE, "norm,bogus")
+    fullgraph.env.unfused.cache_clear()
+    with pytest.raises(ValueError, match="FULLGRAPH_UNFUSE"):
+        fullgraph.env.unfused()
+    monkeypatch.setenv(fullgraph.env.UNFUSE, "norm,residual,rope")
+    fullgraph.env.unfused.cache_clear()
+    try:
+        assert fullgraph.env.unfused() == {"norm", "residual", "rope"}
+        lin, norm = Linear(16, 8), fg_rms_norm(16)
+        x, residual = torch.randn(2, 16), torch.randn(2, 8)
+        monkeypatch.setattr(Linear, "uses_kernel", lambda self, x: True)
+        torch.testing.assert_close(lin(x, norm, residual), F.linear(norm(x), lin.weight, lin.bias) + residual,
+                                   rtol=1e-5, atol=1e-5)
+    finally:
+        monkeypatch.delenv(fullgraph.env.UNFUSE)
+        fullgraph.env.unfused.cache_clear()

@@ -101,7 +101,7 @@ def _rows_tile(acc, ss, w, x_ptr, g_ptr, stride_xm, M, k0, rk, K, NORM: tl.const
 @triton.jit
 def product(x_ptr, w_ptr, b_ptr, g_ptr, M, K, eps, stride_xm, rn, n_ok,
             HAS_BIAS: tl.constexpr, NORM: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr, PDL_LATE: tl.constexpr = False):
     """The (BLOCK_M, BLOCK_N) float32 product ``norm(x) @ w[rn].T + b[rn]`` of a program's weight
     rows ``rn`` (those with ``n_ok``). Waits for the kernel ahead (PDL) after loading its first
     PREFETCH weight tiles and its bias, which are parameters, and lets the kernel behind start."""
@@ -113,7 +113,8 @@ def product(x_ptr, w_ptr, b_ptr, g_ptr, M, K, eps, stride_xm, rn, n_ok,
     if HAS_BIAS:
         bias = tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
     pdl.wait(USE_PDL)
-    pdl.start_dependents(USE_PDL)
+    if not PDL_LATE:
+        pdl.start_dependents(USE_PDL)
     if BLOCK_M == 1:
         acc1, ss = _row_tile(w0, x_ptr, g_ptr, 0, rk, K, NORM)
         if PREFETCH > 1:
@@ -139,6 +140,8 @@ def product(x_ptr, w_ptr, b_ptr, g_ptr, M, K, eps, stride_xm, rn, n_ok,
             acc, ss = _rows_tile(acc, ss, w, x_ptr, g_ptr, stride_xm, M, k0, rk, K, NORM, BLOCK_M)
         if NORM:
             acc = acc / tl.sqrt(ss / K + eps)[:, None]
+    if PDL_LATE:  # every weight tile is in: the kernel behind may take this program's slot soon
+        pdl.start_dependents(USE_PDL)
     if HAS_BIAS:
         acc += bias[None, :]
     return acc
@@ -152,12 +155,12 @@ def _linear_kernel(
     stride_xm, stride_rm, stride_om,
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
     PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, PDL_LATE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rn, n_ok = columns(pid, N, ACT, BLOCK_N)
     acc = product(x_ptr, w_ptr, b_ptr, g_ptr, M, K, eps, stride_xm, rn, n_ok,
-                  HAS_BIAS, NORM, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL)
+                  HAS_BIAS, NORM, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL, PDL_LATE)
     if HAS_RES:  # the residual stream's new value: this product plus the stream (no activation)
         rm = tl.arange(0, BLOCK_M)
         acc += tl.load(res_ptr + rm[:, None] * stride_rm + rn[None, :], mask=(rm < M)[:, None] & n_ok[None, :],
@@ -201,7 +204,7 @@ def launch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, activation:
         out, m, n, k, limit, eps, x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
         HAS_BIAS=b is not None, ACT=ACTIVATIONS[activation], NORM=norm_weight is not None,
         HAS_RES=residual is not None, PREFETCH=prefetch, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=num_warps, num_stages=stages, **pdl.options(x))
+        num_warps=num_warps, num_stages=stages, PDL_LATE=pdl.late(), **pdl.options(x))
     return out
 
 

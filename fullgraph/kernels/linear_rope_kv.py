@@ -49,7 +49,7 @@ def _linear_rope_kv_kernel(
     M, K, eps, num_slots, stride_xm, stride_kv, stride_cb, stride_cs, stride_ch,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, PAGE_SIZE: tl.constexpr,
     LAYOUT: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, PREFETCH: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr, PDL_LATE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     NUM_PAIRS: tl.constexpr = (NUM_HEADS + 2 * NUM_KV_HEADS) * HALF
@@ -57,7 +57,7 @@ def _linear_rope_kv_kernel(
     u = pid * (BLOCK_N // 2) + j // 2                     # this column's pair
     rn = (u // HALF) * (2 * HALF) + u % HALF + (j % 2) * HALF
     acc = product(x_ptr, w_ptr, b_ptr, g_ptr, M, K, eps, stride_xm, rn, u < NUM_PAIRS,
-                  HAS_BIAS, NORM, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL)   # waits (PDL) inside
+                  HAS_BIAS, NORM, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL, PDL_LATE)   # waits (PDL) inside
     a, b = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))   # columns i and i + D/2 of a head
     up = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
     pair_ok = up < NUM_PAIRS
@@ -121,7 +121,7 @@ def launch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, norm_weight
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2, PAGE_SIZE=kv_cache.shape[2],
         LAYOUT=LAYOUTS[layout], HAS_BIAS=b is not None, NORM=norm_weight is not None, PREFETCH=prefetch,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=stages,
-        **pdl.options(x))
+        PDL_LATE=pdl.late(), **pdl.options(x))
     return q_out
 
 

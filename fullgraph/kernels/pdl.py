@@ -51,6 +51,13 @@ def options(t: torch.Tensor) -> dict:
     return {"USE_PDL": False}
 
 
+def late() -> bool:
+    """Whether a weight-streaming kernel lets the kernel behind it start only after its last weight
+    tile (``FULLGRAPH_PDL=late``) instead of right after its wait: programs of the kernel behind
+    that start early sit in their wait on SM slots the kernel's later waves could use."""
+    return env.pdl_late()
+
+
 @triton.jit
 def wait(USE_PDL: tl.constexpr):
     """Block until the kernel ahead has finished and its writes are visible."""
