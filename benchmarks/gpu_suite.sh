@@ -52,8 +52,8 @@ decode-ab)  # the decode rows of issue 31 at an earlier commit (.base) and now, 
     ;;
 fusions)  # what each decoder-layer fusion is worth: .base/ beside ours with each one unfused (FULLGRAPH_UNFUSE),
     # and both with programmatic dependent launch off, and ours with the linears' dependents started late
-    for variant in "old .base - 1" "all-on . - 1" "rope . rope 1" "norm . norm 1" "all-off . norm,residual,rope 1" \
-                   "old-pdl0 .base - 0" "all-on-pdl0 . - 0" "all-on-late . - late"; do
+    for variant in "old .base - 1" "all-on . - 1" "all-on-late . - late" "old-pdl0 .base - 0" "all-on-pdl0 . - 0" \
+                   "rope . rope 1" "norm . norm 1" "all-off . norm,residual,rope 1"; do
         set -- $variant
         tag=$1 tree=$2 unfuse=${3#-} pdl=$4
         for preset in smollm2-135m llama-1b; do
