@@ -50,25 +50,20 @@ decode-ab)  # the decode rows of issue 31 at an earlier commit (.base) and now, 
         done
     done
     ;;
-fusions)  # what each decoder-layer fusion is worth: .base/ beside ours with each one unfused (FULLGRAPH_UNFUSE),
-    # and both with programmatic dependent launch off, and ours with the linears' dependents started late
-    for variant in "old .base - 1" "all-on . - 1" "all-on-late . - late" "old-pdl0 .base - 0" "all-on-pdl0 . - 0" \
-                   "rope . rope 1" "norm . norm 1" "all-off . norm,residual,rope 1"; do
+fusions)  # what the experimental decoder-layer fusions (FULLGRAPH_FUSE) are worth, beside .base/ and the default,
+    # with the linears' dependents started right after their wait (PDL 1) or after their last tile (late)
+    for variant in "old .base - 1" "default . - 1" "layer+rope-late . layer,rope late" "layer+rope . layer,rope 1" \
+                   "layer . layer 1" "rope . rope 1"; do
         set -- $variant
-        tag=$1 tree=$2 unfuse=${3#-} pdl=$4
+        tag=$1 tree=$2 fuse=${3#-} pdl=$4
         for preset in smollm2-135m llama-1b; do
-            (cd $tree && FULLGRAPH_PDL=$pdl FULLGRAPH_UNFUSE=$unfuse PYTHONPATH=. run "fuse_${preset}_$tag" 60 \
+            (cd $tree && FULLGRAPH_PDL=$pdl FULLGRAPH_FUSE=$fuse PYTHONPATH=. run "fuse_${preset}_$tag" 60 \
                 python3 -m fullgraph.bench decode --preset $preset --batch 1 32 --context 1024 --modes full --steps 30 \
                 --loop overlap --out "$OUT/fuse_${preset}_$tag.json")
         done
-        (cd $tree && FULLGRAPH_PDL=$pdl FULLGRAPH_UNFUSE=$unfuse PYTHONPATH=. run "fuse_llama8b_$tag" 60 \
+        (cd $tree && FULLGRAPH_PDL=$pdl FULLGRAPH_FUSE=$fuse PYTHONPATH=. run "fuse_llama8b_$tag" 60 \
             python3 -m fullgraph.bench decode --preset llama-8b --batch 1 --context 1024 --modes full --steps 30 \
             --loop overlap --out "$OUT/fuse_llama8b_$tag.json")
-    done
-    for tree in .base .; do  # kernel by kernel, PDL off so that the times add up
-        tag=$([ "$tree" = . ] && echo new || echo old)
-        (cd $tree && FULLGRAPH_PDL=0 PYTHONPATH=. run "profile_smollm2_$tag" 60 python3 "$OLDPWD/benchmarks/profile_step.py" \
-            --preset smollm2-135m --batch 1 --context 1024 --out "$OUT/profile_smollm2_$tag.json")
     done
     ;;
 decode-ab-big)  # the same for the 7-8B shapes

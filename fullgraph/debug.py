@@ -92,7 +92,7 @@ def _run_mode(runner: FullGraphRunner, chunks: Sequence[SeqChunk], source: FullG
     def hook(i):
         def copy_out(module, args, out):
             if isinstance(out, tuple):  # (output, residual stream) of a layer that leaves them unsummed
-                out = out[0] + out[1]
+                out = out[0] if out[1] is None else out[0] + out[1]
             if buffers[i] is None:  # first (eager) call: before any capture
                 buffers[i] = out.new_full((runner.config.max_num_tokens, out.shape[-1]), float("nan"))
             buffers[i][: out.shape[0]].copy_(out)

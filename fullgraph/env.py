@@ -18,10 +18,10 @@ variable                          effect                                        
 ``FULLGRAPH_COMPILE_WORKERS=N``   threads compiling Triton kernels ahead (0: off)     at each capture
 ``FULLGRAPH_LINEAR=IMPL``         linears of 2-64 rows: ``auto`` (cuBLAS on CUDA, the       once
                                   default), ``triton`` or ``cublas``
-``FULLGRAPH_UNFUSE=A,B``          run these decoder-layer fusions as separate kernels:     once
-                                  ``norm`` (RMSNorm on load), ``residual`` (the add in
-                                  the epilogue), ``rope`` (RoPE + KV write in the QKV
-                                  projection); for measuring what each is worth
+``FULLGRAPH_FUSE=A,B``            decoder-layer fusions to use (experimental; none by      once
+                                  default, slower on the H200 so far): ``layer`` (RMSNorm
+                                  on load, residual add in the epilogue), ``rope`` (RoPE
+                                  + KV write in the QKV projection)
 ================================  ==================================================  ==================
 """
 from __future__ import annotations
@@ -34,8 +34,8 @@ COMPILE = "FULLGRAPH_COMPILE"
 PDL = "FULLGRAPH_PDL"
 COMPILE_WORKERS = "FULLGRAPH_COMPILE_WORKERS"
 LINEAR = "FULLGRAPH_LINEAR"
-UNFUSE = "FULLGRAPH_UNFUSE"
-FUSIONS = ("norm", "residual", "rope")
+FUSE = "FULLGRAPH_FUSE"
+FUSIONS = ("layer", "rope")
 
 
 def _flag(name: str) -> bool:
@@ -92,9 +92,9 @@ def linear_impl() -> str:
 
 
 @functools.cache
-def unfused() -> frozenset[str]:
-    """``FULLGRAPH_UNFUSE``: the decoder-layer fusions to run as separate kernels (read once)."""
-    names = frozenset(n for n in os.environ.get(UNFUSE, "").split(",") if n)
+def fused() -> frozenset[str]:
+    """``FULLGRAPH_FUSE``: the decoder-layer fusions switched on (read once)."""
+    names = frozenset(n for n in os.environ.get(FUSE, "").split(",") if n)
     if not names <= set(FUSIONS):
-        raise ValueError(f"{UNFUSE}={os.environ[UNFUSE]!r}: expected a comma-separated subset of {FUSIONS}")
+        raise ValueError(f"{FUSE}={os.environ[FUSE]!r}: expected a comma-separated subset of {FUSIONS}")
     return names

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import fullgraph.env
+import fullgraph.kernels
 from fullgraph.attention import Attention
 from fullgraph.kernels import linear_choice
 from fullgraph.kernels.linear import NO_LIMIT, launch, launch_config, linear
@@ -110,7 +111,7 @@ def test_bad_shapes_raise():
         launch(x, w, None, "relu")
 
 
-def test_module_uses_the_kernel_only_for_half_precision_on_cuda():
+def test_module_uses_the_kernel_only_for_one_half_precision_row_on_cuda():
     lin = Linear(16, 8)
     one = torch.randn(1, 16)
     assert not lin.uses_kernel(one)                                    # CPU: F.linear
@@ -122,7 +123,8 @@ def test_module_uses_the_kernel_only_for_half_precision_on_cuda():
     if torch.cuda.is_available():
         lin = lin.to("cuda", torch.bfloat16)
         one = one.to("cuda", torch.bfloat16)
-        assert lin.uses_kernel(one) and lin.uses_kernel(torch.randn(2, 16, device="cuda", dtype=torch.bfloat16))
+        assert lin.uses_kernel(one)
+        assert not lin.uses_kernel(torch.randn(2, 16, device="cuda", dtype=torch.bfloat16))
         assert not lin.uses_kernel(one.float())
 
 
@@ -167,13 +169,14 @@ def test_bf16_model_shapes_flash_rule(n, k, activation, rows, fused):
                                rtol=0, atol=2 * base + 1e-3)  # the op: ours or cuBLAS, whichever it chose
 
 
+@pytest.mark.parametrize("fuse", ["", "layer,rope"], ids=["separate", "fused"])
 @pytest.mark.parametrize("rows", ["one", "all"])
 @pytest.mark.parametrize("preset", ["llama", "phi3"])
-def test_models_on_the_kernel_path_match_the_separate_ops(monkeypatch, preset, rows):
-    """Force the kernel path (the one every CUDA half-precision step takes: the RMSNorm, the
-    projection and the activation, or the projection and the residual add, in one launch) on the
-    CPU through the Triton interpreter, for one-row steps or every step: the logits match the
-    F.linear path."""
+def test_models_on_the_kernel_path_match_the_separate_ops(monkeypatch, preset, rows, fuse):
+    """Force the kernel path (the one every CUDA batch-1 step takes: projection and activation in
+    one launch; with ``FULLGRAPH_FUSE=layer,rope`` also the RMSNorm on load, the residual add in the
+    epilogue, RoPE and the KV write in the QKV projection) on the CPU through the Triton
+    interpreter, for one-row steps or every step: the logits match the plain PyTorch path."""
     import fullgraph as fg
 
     make = {"llama": lambda: fg.models.Llama(fg.models.LlamaConfig.toy()),
@@ -187,32 +190,45 @@ def test_models_on_the_kernel_path_match_the_separate_ops(monkeypatch, preset, r
         return torch.cat([runner.step([fg.SeqChunk([t], 4 + i, ids)]).logits for i, t in enumerate((3, 11))])
 
     want = decode_logits()
+    monkeypatch.setattr(fullgraph.env, "fused", lambda: frozenset(filter(None, fuse.split(","))))
     seen, fused = [], []
     monkeypatch.setattr(Linear, "uses_kernel", lambda self, x: seen.append(x.shape[0]) or rows == "all" or x.shape[0] == 1)
-    # the fused QKV projection (RoPE and the KV write in its epilogue) wherever the kernel path is taken
-    monkeypatch.setattr(Attention, "projection_writes", lambda self, metadata, rope, x: fused.append(x.shape[0]) or True)
+    # on the CPU the rotation never fuses (RotaryEmbedding.fusable): say it may, where switched on
+    monkeypatch.setattr(Attention, "projection_writes", lambda self, metadata, rope, x: bool(fuse))
+    real = fullgraph.kernels.linear_rope_kv_write
+    monkeypatch.setattr(fullgraph.kernels, "linear_rope_kv_write", lambda x, *a: fused.append(x.shape[0]) or real(x, *a))
     got = decode_logits()
     assert 1 in seen and max(seen) > 1          # both paths were taken (prefill rows > 1, decode one row)
-    assert 1 in fused and (max(fused) > 1) == (rows == "all")
+    assert sorted(set(fused)) == ([] if not fuse else [1] if rows == "one" else [1, 4])
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_unfuse_switch_is_validated_and_unfused_layers_compute_the_same(monkeypatch):
-    """``FULLGRAPH_UNFUSE`` (measurement only): a bad name is refused; with every fusion run as
-    separate kernels, a model on the kernel path gives the same logits as with them fused."""
-    monkeypatch.setenv(fullgraph.env.UNFUSE, "norm,bogus")
-    fullgraph.env.unfused.cache_clear()
-    with pytest.raises(ValueError, match="FULLGRAPH_UNFUSE"):
-        fullgraph.env.unfused()
-    monkeypatch.setenv(fullgraph.env.UNFUSE, "norm,residual,rope")
-    fullgraph.env.unfused.cache_clear()
+def test_the_fused_layer_flow_is_the_same_function_in_float32(monkeypatch):
+    """``FULLGRAPH_FUSE=layer`` on the plain PyTorch path (CPU, float32): the layers carry the summed
+    stream instead of (output, residual), and the logits are bit-identical."""
+    import fullgraph as fg
+
+    def logits():
+        runner = fg.FullGraphRunner(fg.models.Llama(fg.models.LlamaConfig.toy()), max_num_seqs=2, max_num_tokens=32,
+                                    max_model_len=128, cudagraph="none", attention="sdpa")
+        ids = runner.blocks.allocate(2)
+        return torch.cat([runner.step([fg.SeqChunk([5, 9, 2, 7], 0, ids)]).logits,
+                          runner.step([fg.SeqChunk([3], 4, ids)]).logits])
+
+    want = logits()
+    monkeypatch.setattr(fullgraph.env, "fused", lambda: frozenset({"layer"}))
+    assert torch.equal(logits(), want)
+
+
+def test_fuse_switch_is_validated(monkeypatch):
+    monkeypatch.setenv(fullgraph.env.FUSE, "layer,bogus")
+    fullgraph.env.fused.cache_clear()
     try:
-        assert fullgraph.env.unfused() == {"norm", "residual", "rope"}
-        lin, norm = Linear(16, 8), fg_rms_norm(16)
-        x, residual = torch.randn(2, 16), torch.randn(2, 8)
-        monkeypatch.setattr(Linear, "uses_kernel", lambda self, x: True)
-        torch.testing.assert_close(lin(x, norm, residual), F.linear(norm(x), lin.weight, lin.bias) + residual,
-                                   rtol=1e-5, atol=1e-5)
+        with pytest.raises(ValueError, match="FULLGRAPH_FUSE"):
+            fullgraph.env.fused()
+        monkeypatch.setenv(fullgraph.env.FUSE, "layer,rope")
+        fullgraph.env.fused.cache_clear()
+        assert fullgraph.env.fused() == {"layer", "rope"}
     finally:
-        monkeypatch.delenv(fullgraph.env.UNFUSE)
-        fullgraph.env.unfused.cache_clear()
+        monkeypatch.delenv(fullgraph.env.FUSE)
+        fullgraph.env.fused.cache_clear()

@@ -45,12 +45,13 @@ class Attention(nn.Module):
 
     def projection_writes(self, metadata: AttentionMetadata, rope: Rotary | None, x: torch.Tensor) -> bool:
         """Whether the projection that makes q, k and v from ``x`` may rotate them and write k and v
-        into the cache itself (one kernel: ``kernels.linear_rope_kv_write``): the backend writes
-        with our kernel, reads the new keys from the cache, and the rotation fuses for ``x``.
+        into the cache itself (one kernel: ``kernels.linear_rope_kv_write``): switched on
+        (``FULLGRAPH_FUSE=rope``, experimental), the backend writes with our kernel, reads the new
+        keys from the cache, and the rotation fuses for ``x``.
         The layer is then called with ``written=True``."""
         backend = metadata.backends[self.kind]
         return (rope is not None and backend.kv_writer.impl == "kernel" and not backend.reads_new_kv
-                and rope.fusable(x) and "rope" not in env.unfused())
+                and rope.fusable(x) and "rope" in env.fused())
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, *, rope: Rotary | None = None,

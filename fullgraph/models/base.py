@@ -86,10 +86,10 @@ class DecoderLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 metadata: AttentionMetadata) -> torch.Tensor:
-        x = self.embed(input_ids)                                            # (T, hidden)
+        x, residual = self.embed(input_ids), None                          # (T, hidden)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rotary, kv_cache, metadata)         # the residual stream
-        return self.final_norm()(x)
+            x, residual = layer(x, residual, positions, self.rotary, kv_cache, metadata)
+        return self.final_norm()(x) if residual is None else self.final_norm()(x, residual)[0]
 
     def scale_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Any final scaling / masking of the float32 logits (none by default)."""

@@ -34,18 +34,19 @@ class Linear(nn.Linear):
     residual)`` is ``F.linear(norm(x)) + residual``, the shape of every projection in a pre-norm
     decoder layer.
 
-    On CUDA in half precision it runs ``kernels.linear``: for one row (batch-1 decode) a
-    weight-streaming kernel that beats cuBLAS, with an RMSNorm applied on load (each program sums
-    the squares of the row it streams anyway), the residual added in its epilogue and a gated
-    ``activation`` (``kernels.linear``'s names; its reference is the caller's) fused, so a decoder
-    layer needs no norm or add kernels of its own; for a few rows, that kernel or cuBLAS, whichever
-    is faster for the shape (``kernels.linear_choice``). A LayerNorm runs as its own kernel first.
-    Everywhere else (the CPU, float32): the plain PyTorch ops, the reference.
+    Its one-row steps on CUDA in half precision (batch-1 decode) run ``kernels.linear``, a
+    weight-streaming kernel that beats cuBLAS there (one launch, no split-K reduce; measured in
+    ``benchmarks/sweep_linear.py``), with an RMSNorm applied on load (each program sums the squares
+    of the row it streams anyway), the residual added in its epilogue and a gated ``activation``
+    (``kernels.linear``'s names; its reference is the caller's) fused; a LayerNorm runs as its own
+    kernel first. Every other call is the plain PyTorch ops (cuBLAS for more rows, where it is faster
+    than our kernel), the reference. Being a registered op, the kernel is used under
+    ``torch.compile`` too.
     """
 
     def uses_kernel(self, x: torch.Tensor) -> bool:
         w = self.weight
-        return (kernels is not None and x.is_cuda and x.dim() == 2 and x.stride(-1) == 1
+        return (kernels is not None and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1
                 and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype and w.is_contiguous())
 
     def forward(self, x: torch.Tensor, norm: nn.Module | None = None, residual: torch.Tensor | None = None,
@@ -53,10 +54,8 @@ class Linear(nn.Linear):
         # x: (T, in_features), residual: (T, out_features) -> (T, out_features), or (T, out_features // 2) gated
         if self.uses_kernel(x):
             x, norm_weight, eps = _norm_on_load(x, norm)
-            later = residual if "residual" in env.unfused() else None
-            y = kernels.linear(x, self.weight, self.bias, activation, kernels.linear_no_limit if limit is None
-                               else limit, norm_weight, eps, None if later is not None else residual)
-            return y if later is None else y + later
+            return kernels.linear(x, self.weight, self.bias, activation, kernels.linear_no_limit if limit is None
+                                  else limit, norm_weight, eps, residual)
         if activation != "none":
             raise ValueError(f"Linear: a fused activation ({activation!r}) needs the kernel path (uses_kernel); "
                              "apply it to the output instead")
@@ -77,7 +76,7 @@ class Linear(nn.Linear):
 
 def _norm_on_load(x: torch.Tensor, norm: nn.Module | None) -> tuple[torch.Tensor, torch.Tensor | None, float]:
     """(input, norm weight, eps) for a kernel that applies an RMSNorm on load; any other norm runs first."""
-    if isinstance(norm, RMSNorm) and "norm" not in env.unfused():
+    if isinstance(norm, RMSNorm):
         return x, norm.weight, norm.eps
     return (x if norm is None else norm(x)), None, 0.0
 
@@ -129,14 +128,30 @@ class LayerNorm(nn.Module):
 
 class PreNormDecoderLayer(nn.Module):
     """A pre-norm decoder layer over the residual stream: subclasses set ``input_layernorm``,
-    ``self_attn``, ``post_attention_layernorm`` and ``mlp``. The attention and the MLP each take
-    ``(x, norm, residual)``: their first projection normalises its input, their last adds the
-    stream back (``Linear``), so on the kernel path a layer is its projections and its attention."""
+    ``self_attn``, ``post_attention_layernorm`` and ``mlp``.
 
-    def forward(self, x, positions, rope, kv_cache, metadata) -> torch.Tensor:
-        """The residual stream (T, hidden) after this layer."""
-        h = self.self_attn(x, positions, rope, kv_cache, metadata, norm=self.input_layernorm, residual=x)
-        return self.mlp(h, norm=self.post_attention_layernorm, residual=h)
+    ``forward(x, residual)`` returns ``(output, residual)``, unsummed: each norm takes ``(x,
+    residual)`` and adds before normalising (one fused launch on CUDA), so the next norm (the next
+    layer's, or the final one) adds them. ``residual`` None: ``x`` is the whole stream.
+
+    With ``FULLGRAPH_FUSE=layer`` (experimental: on the H200 it has measured slower so far, see
+    benchmarks/HISTORY.md) and the kernel path, the attention and the MLP take ``(x, norm,
+    residual)`` instead: their first projection normalises its input on load and their last adds
+    the stream back in its epilogue (``Linear``), so the layer has no norm or add kernels; it then
+    returns ``(stream, None)``."""
+
+    def forward(self, x, residual, positions, rope, kv_cache, metadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if "layer" in env.fused():
+            h = x if residual is None else x + residual
+            h = self.self_attn(h, positions, rope, kv_cache, metadata, norm=self.input_layernorm, residual=h)
+            return self.mlp(h, norm=self.post_attention_layernorm, residual=h), None
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, rope, kv_cache, metadata)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class RotaryEmbedding(nn.Module):
