@@ -2,7 +2,6 @@
 # One GPU session in few calls: `bash benchmarks/gpu_suite.sh PART...` with PART in
 #   env tests tests-all targets kernels linear pdl-ab sdpa-ab diag profile profile-phi3 core core-fast phi3 phi3-fast capture
 #   capture-ahead compile compile-time final
-#   baseline (decode rows of the tree in .base/, e.g. `git archive <commit> fullgraph | tar -x -C .base`, beside ours)
 #   peers (the decode table beside a naive whole-model graph and reduce-overhead) window serve engine (sampling, mask) sanitize
 #   sanitize-probe (initcheck: producer -> consumer pairs; toy-llama with PDL on and off) long (100K tokens through fg.LLM)
 #   mask (structured output on the GPU; TOKENIZER=dir for the vocabulary) capture-cold (empty Triton caches, ahead and serial)
@@ -12,7 +11,8 @@
 #   sanitize-fresh (initcheck over producer -> consumer probes on fresh memory; racecheck over toy Phi-3-Small)
 #   sanitize-control (initcheck, every matrix product written into zero-filled memory first) race-sdpa (racecheck, sdpa phases)
 #   big-steps (mixed steps of 512-2048 tokens: graph vs padded-eager) host (a step's host work by stage)
-#   decode-ab, decode-ab-big (decode rows of .base/ and ours back to back) sweep-skinny (linear configs, rows 1-64)
+#   decode-ab, decode-ab-big (decode rows of the tree in .base/, e.g. `git archive <commit> fullgraph | tar -x -C .base`,
+#   and ours back to back) fusions (FULLGRAPH_FUSE variants beside .base/) sweep-skinny (linear configs, rows 1-64)
 # Logs and JSON land in $OUT (or ./out); each part has its own time limit so a call stays bounded.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -31,15 +31,6 @@ run() {  # run NAME LIMIT_S CMD...: tee to $OUT/NAME.log, report status and seco
 
 for part in "$@"; do
 case $part in
-baseline)  # the same decode rows at an earlier commit (.base) and now, in one process each, back to back
-    for tree in .base .; do
-        tag=$([ "$tree" = . ] && echo new || echo old)
-        (cd $tree && PYTHONPATH=. run "decode_llama1b_$tag" 100 python3 -m fullgraph.bench decode --preset llama-1b \
-            --batch 1 32 --context 1024 --modes full --steps 40 --loop sync overlap --out "$OUT/decode_llama1b_$tag.json")
-        (cd $tree && PYTHONPATH=. run "decode_phi3_$tag" 120 python3 -m fullgraph.bench decode --preset phi3-small-8k \
-            --batch 1 --context 2048 --modes full --steps 40 --loop sync overlap --out "$OUT/decode_phi3_$tag.json")
-    done
-    ;;
 decode-ab)  # the decode rows of issue 31 at an earlier commit (.base) and now, back to back, PDL on; each
     # tree runs from its own directory (python -m puts the working directory ahead of PYTHONPATH)
     for tree in .base .; do

@@ -42,6 +42,7 @@ class Attention(nn.Module):
             raise ValueError(f"sliding_window is a property of dense layers; a {kind!r} layer has its own pattern")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale, self.kind, self.sparse, self.sliding_window = scale, kind, sparse, sliding_window
+        self.fuse_rope = "rope" in env.fused()  # read once, at construction
 
     def projection_writes(self, metadata: AttentionMetadata, rope: Rotary | None, x: torch.Tensor) -> bool:
         """Whether the projection that makes q, k and v from ``x`` may rotate them and write k and v
@@ -51,7 +52,7 @@ class Attention(nn.Module):
         The layer is then called with ``written=True``."""
         backend = metadata.backends[self.kind]
         return (rope is not None and backend.kv_writer.impl == "kernel" and not backend.reads_new_kv
-                and rope.fusable(x) and "rope" in env.fused())
+                and rope.fusable(x) and self.fuse_rope)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, *, rope: Rotary | None = None,

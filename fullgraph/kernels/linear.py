@@ -101,7 +101,7 @@ def _rows_tile(acc, ss, w, x_ptr, g_ptr, stride_xm, M, k0, rk, K, NORM: tl.const
 @triton.jit
 def product(x_ptr, w_ptr, b_ptr, g_ptr, M, K, eps, stride_xm, rn, n_ok,
             HAS_BIAS: tl.constexpr, NORM: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr, PDL_LATE: tl.constexpr = False):
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr, PDL_LATE: tl.constexpr):
     """The (BLOCK_M, BLOCK_N) float32 product ``norm(x) @ w[rn].T + b[rn]`` of a program's weight
     rows ``rn`` (those with ``n_ok``). Waits for the kernel ahead (PDL) after loading its first
     PREFETCH weight tiles and its bias, which are parameters, and lets the kernel behind start."""

@@ -140,8 +140,12 @@ class PreNormDecoderLayer(nn.Module):
     the stream back in its epilogue (``Linear``), so the layer has no norm or add kernels; it then
     returns ``(stream, None)``."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.fuse = "layer" in env.fused()  # read once, at construction
+
     def forward(self, x, residual, positions, rope, kv_cache, metadata) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if "layer" in env.fused():
+        if self.fuse:
             h = x if residual is None else x + residual
             h = self.self_attn(h, positions, rope, kv_cache, metadata, norm=self.input_layernorm, residual=h)
             return self.mlp(h, norm=self.post_attention_layernorm, residual=h), None
