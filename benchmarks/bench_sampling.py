@@ -1,6 +1,6 @@
 """How much does in-graph sampling add to a step?
 
-    python benchmarks/bench_sampling.py [--out bench_sampling.json] [--skip-reference] [--zones] [--passes]
+    python benchmarks/bench_sampling.py [--out bench_sampling.json] [--skip-reference] [--zones] [--passes] [--sweep]
 
 GPU script: prints a table, writes JSON only with ``--out``, never asserts on time. For V = 128256
 and batches of 1/32/64 it times ``fullgraph.sampling.sample`` (the Triton kernel),
@@ -10,7 +10,7 @@ sampler does). Settings: greedy, top-p 0.9, top-k 50 + top-p 0.95, min-p 0.1 (te
 Logits: "peaked" (bf16-rounded, a Gaussian bulk of std 2.5 and 20 dominant tokens, like a
 language model's) and "flat" (std-1 Gaussian: top-p keeps most of the vocabulary, the hard case).
 ``--zones`` prints how many undecided tokens reach the select pass, ``--passes`` times each kernel
-launch alone at batch 32.
+launch alone at batch 32, ``--sweep`` the row passes' block size and programs per row.
 """
 from __future__ import annotations
 
@@ -117,18 +117,42 @@ class _Recorder:
         return run
 
 
+def print_sweep(gen: torch.Generator) -> list[dict]:
+    """The row passes' launch shape: tokens per loop step (``block``) and programs per row
+    (``num_chunks``: the default aims at 2 programs per SM), top-p rows at batch 32 and 64."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for kind in ("peaked", "flat"):
+        for batch in (32, 64):
+            inputs = [make_logits(kind, batch, gen) for _ in range(COPIES)]
+            for name in ("top_p=0.9", "top_k=50,top_p=0.95"):
+                ps = params(batch, SETTINGS[name])
+                for block in (1024, 2048, 4096):
+                    for per_sm in (2, 4, 8):
+                        chunks = max(1, min(-(-VOCAB // block), -(-per_sm * sms // batch)))
+                        us = time_calls(lambda x: kernel.launch(x, *ps, block=block, num_chunks=chunks), inputs)
+                        rows.append({"logits": kind, "setting": name, "batch": batch, "block": block,
+                                     "programs_per_sm": per_sm, "num_chunks": chunks, "sample_us": us})
+                        print(f"sweep {kind:7s} {name:22s} batch {batch:3d} block {block:5d} chunks {chunks:4d} "
+                              f"({per_sm}/SM) {us:8.1f} us", flush=True)
+            del inputs
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     p.add_argument("--skip-reference", action="store_true", help="skip the (slow) sort-based reference")
     p.add_argument("--zones", action="store_true", help="also print how many tokens the select pass decides")
     p.add_argument("--passes", action="store_true", help="also time each kernel pass at batch 32")
+    p.add_argument("--sweep", action="store_true", help="also sweep the row passes' block and programs per row")
     args = p.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     if args.zones:
         print_zones(gen)
     if args.passes:
         print_passes(gen)
+    sweep = print_sweep(gen) if args.sweep else []
     rows = []
     print(f"{'logits':7s} {'setting':22s} {'batch':>5s} {'sample us':>10s} {'reference us':>13s} {'argmax us':>10s}")
     for kind in ("peaked", "flat"):
@@ -147,7 +171,8 @@ def main() -> None:
             del inputs
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows,
+                       "sweep": sweep}, f, indent=1)
         print(f"wrote {args.out}")
 
 

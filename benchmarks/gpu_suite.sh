@@ -13,6 +13,7 @@
 #   big-steps (mixed steps of 512-2048 tokens: graph vs padded-eager) host (a step's host work by stage)
 #   decode-ab, decode-ab-big (decode rows of the tree in .base/, e.g. `git archive <commit> fullgraph | tar -x -C .base`,
 #   and ours back to back) fusions (FULLGRAPH_FUSE variants beside .base/) sweep-skinny (linear configs, rows 1-64)
+#   sampling (the sampling kernel's passes and undecided-zone sizes)
 # Logs and JSON land in $OUT (or ./out); each part has its own time limit so a call stays bounded.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -43,8 +44,8 @@ decode-ab)  # the decode rows of issue 31 at an earlier commit (.base) and now, 
     ;;
 fusions)  # what the experimental decoder-layer fusions (FULLGRAPH_FUSE) are worth, beside .base/ and the default,
     # with the linears' dependents started right after their wait (PDL 1) or after their last tile (late)
-    for variant in "old .base - 1" "default . - 1" "layer+rope-late . layer,rope late" "layer+rope . layer,rope 1" \
-                   "layer . layer 1" "rope . rope 1"; do
+    for variant in "old .base - 1" "default . - 1" "reduce . reduce 1" "default-late . - late" \
+                   "all-late . layer,rope,reduce late"; do
         set -- $variant
         tag=$1 tree=$2 fuse=${3#-} pdl=$4
         for preset in smollm2-135m llama-1b; do
@@ -98,6 +99,10 @@ engine)
     run engine_overhead 150 python3 benchmarks/engine_overhead.py --out "$OUT/engine_overhead.json"
     run sampling 90 python3 benchmarks/bench_sampling.py --out "$OUT/sampling.json"
     run mask 60 python3 benchmarks/bench_mask.py --out "$OUT/mask.json"
+    ;;
+sampling)  # the sampling kernel alone: undecided tokens per row, each pass at batch 32, the table (no sort reference)
+    run sampling_passes 150 python3 benchmarks/bench_sampling.py --skip-reference --zones --passes --sweep \
+        --out "$OUT/sampling.json"
     ;;
 sanitize)  # quick: triton and block-sparse kernels, with programmatic dependent launch and without
     run sanitize 200 python3 benchmarks/sanitize.py --quick --tools initcheck memcheck --timeout 90 --out "$OUT/sanitize.json"

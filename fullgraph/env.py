@@ -21,7 +21,8 @@ variable                          effect                                        
 ``FULLGRAPH_FUSE=A,B``            decoder-layer fusions to use (experimental; none by      once
                                   default, slower on the H200 so far): ``layer`` (RMSNorm
                                   on load, residual add in the epilogue), ``rope`` (RoPE
-                                  + KV write in the QKV projection)
+                                  + KV write in the QKV projection), ``reduce`` (the
+                                  split-KV merge in the decode attention launch)
 ================================  ==================================================  ==================
 """
 from __future__ import annotations
@@ -35,7 +36,7 @@ PDL = "FULLGRAPH_PDL"
 COMPILE_WORKERS = "FULLGRAPH_COMPILE_WORKERS"
 LINEAR = "FULLGRAPH_LINEAR"
 FUSE = "FULLGRAPH_FUSE"
-FUSIONS = ("layer", "rope")
+FUSIONS = ("layer", "rope", "reduce")
 
 
 def _flag(name: str) -> bool:

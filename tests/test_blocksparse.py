@@ -136,14 +136,15 @@ def run_prefill(batch: Batch, cfg: BlockSparseConfig, scale: float = SCALE) -> t
                                lay.counts, lay.indices, sm_scale=scale, sparse_block_size=cfg.block_size)
 
 
-def run_decode(batch: Batch, cfg: BlockSparseConfig, num_splits: int, scale: float = SCALE) -> torch.Tensor:
+def run_decode(batch: Batch, cfg: BlockSparseConfig, num_splits: int, scale: float = SCALE,
+               arrivals: torch.Tensor | None = None) -> torch.Tensor:
     lay = build_group_layout(layout_for(cfg, batch), batch.kv_cache.shape[3])
     rows = batch.q.shape[0] * batch.q.shape[1] * num_splits
     part_out = torch.full((rows, batch.q.shape[2]), float("nan"), device=batch.q.device)
     part_ml = torch.full((rows, 2), float("nan"), device=batch.q.device)
     return blocksparse_decode(batch.q, batch.kv_cache, batch.seq_lens, batch.block_table, lay.counts, lay.entries,
                               part_out, part_ml, sm_scale=scale, sparse_block_size=cfg.block_size,
-                              num_splits=num_splits)
+                              num_splits=num_splits, arrivals=arrivals)
 
 
 def assert_matches(out: torch.Tensor, batch: Batch, cfg: BlockSparseConfig | None, tol: float = 2e-5) -> None:
@@ -291,6 +292,23 @@ def test_decode_kernel_matches_reference(num_splits):
     assert (out[-2:] == 0).all(), "padded requests must be zeros"
 
 
+@pytest.mark.parametrize("num_splits", [3, 8])
+def test_decode_splits_merged_in_the_launch(num_splits):
+    """The last split to arrive merges (``arrivals``): the rows of the two-launch form, the
+    counters back at zero after each launch, so the next launch merges too."""
+    batch = make_batch(DECODE, pad_reqs=2, pad_tokens=2)
+    two = run_decode(batch, CFG, num_splits)
+    arrivals = torch.zeros(batch.q.shape[0] * batch.kv_cache.shape[3], dtype=torch.int32, device=DEV)
+    for _ in range(2):
+        out = run_decode(batch, CFG, num_splits, arrivals=arrivals)
+        assert_matches(out, batch, CFG)
+        assert (out[-2:] == 0).all(), "padded requests must be zeros"
+        assert not arrivals.any(), "every counter is reset by the split that merged"
+        torch.testing.assert_close(out, two, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="arrivals"):
+        run_decode(batch, CFG, num_splits, arrivals=arrivals[:1])
+
+
 @pytest.mark.parametrize("impl", ["triton", "torch"])
 def test_backend_decode_step(impl):
     batch = make_batch(DECODE, write_new=False, pad_reqs=2, pad_tokens=2)
@@ -397,7 +415,10 @@ def test_custom_ops_pass_opcheck():
     seq_lens = torch.tensor([15, 1, 0], dtype=torch.int32, device=DEV)
     torch.library.opcheck(torch.ops.fullgraph.blocksparse_decode.default,
                           (q, cache, seq_lens, batch.block_table, glay.counts, glay.entries, part_out, part_ml,
-                           SCALE, 16, 2))
+                           torch.zeros(0, dtype=torch.int32, device=DEV), SCALE, 16, 2))
+    torch.library.opcheck(torch.ops.fullgraph.blocksparse_decode.default,
+                          (q, cache, seq_lens, batch.block_table, glay.counts, glay.entries, part_out, part_ml,
+                           torch.zeros(3 * cache.shape[3], dtype=torch.int32, device=DEV), SCALE, 16, 2))
 
 
 # ---- GPU: bf16 at Phi-3-Small shapes, CUDA-graph capture --------------------------------------
@@ -448,6 +469,14 @@ def test_gpu_bf16_phi3_decode():
                              sm_scale=1 / 128, sparse_block_size=64, num_splits=splits)
     assert not torch.isnan(out).any() and (out[-3:] == 0).all()
     _bf16_tolerance(batch, out, PHI3)
+    arrivals = torch.zeros(batch.q.shape[0] * 8, dtype=torch.int32, device=DEV)
+    for _ in range(3):                    # merged in the launch: the same rows, the counters reset
+        merged = blocksparse_decode(batch.q, batch.kv_cache, batch.seq_lens, batch.block_table, lay.counts,
+                                    lay.entries, torch.empty(rows, 128, device=DEV), torch.empty(rows, 2, device=DEV),
+                                    sm_scale=1 / 128, sparse_block_size=64, num_splits=splits, arrivals=arrivals)
+        assert not arrivals.any() and (merged[-3:] == 0).all()
+        _bf16_tolerance(batch, merged, PHI3)
+        torch.testing.assert_close(merged.float(), out.float(), atol=2e-2, rtol=0)
 
 
 @pytest.mark.gpu

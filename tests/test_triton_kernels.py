@@ -182,6 +182,27 @@ def test_split_kv_matches_unsplit(splits):
     torch.testing.assert_close(split, run(b), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("splits", [2, 5, 16])
+def test_split_kv_merged_in_the_launch(splits):
+    """The last split to arrive merges (``arrivals``): the same rows as the two-launch form, the
+    counters back at zero after every launch, so the next launch (a replay, the next layer) merges too."""
+    b = make_batch([(c, 1) for c in (0, 16, 40, 95)], heads=(4, 2), pad_tokens=2, pad_reqs=2, decode=True, seed=5)
+    part_out, part_lse = workspaces(b, splits)
+    two = run(b, num_splits=splits, part_out=part_out, part_lse=part_lse)
+    arrivals = torch.zeros(b.block_table.shape[0] * 2 + 3, dtype=torch.int32, device=DEVICE)
+    for _ in range(2):
+        part_out.fill_(NAN), part_lse.fill_(NAN)
+        merged = run(b, num_splits=splits, part_out=part_out, part_lse=part_lse, arrivals=arrivals)
+        check(merged, b)
+        assert not arrivals.any(), "every counter is reset by the split that merged"
+        if DEVICE.type == "cpu":
+            assert torch.equal(merged, two), "the same operations in the same order as split_kv_reduce"
+        else:
+            torch.testing.assert_close(merged, two, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="arrivals"):
+        run(b, num_splits=splits, part_out=part_out, part_lse=part_lse, arrivals=arrivals[:3])
+
+
 def test_split_count_is_static_and_fits_workspace():
     sms, kv_heads, max_len = 8, 2, 4096
     counts = [num_kv_splits(r, kv_heads, max_len, sms) for r in range(1, 33)]
@@ -286,7 +307,12 @@ def test_opcheck():
     part_out, part_lse = workspaces(b, 1)
     torch.library.opcheck(torch.ops.fullgraph.paged_attention.default,
                           (b.q, b.kv_cache, b.query_start_loc, b.seq_lens, b.block_table, part_out, part_lse,
-                           0.25, False, 1, 16, 16, 1, 1))
+                           torch.zeros(0, dtype=torch.int32, device=DEVICE), 0.25, False, 1, 16, 16, 1, 1))
+    d = make_batch([(9, 1), (40, 1)], heads=(2, 1), head_dim=16, decode=True, seed=13)
+    part_out, part_lse = workspaces(d, 3)
+    torch.library.opcheck(torch.ops.fullgraph.paged_attention.default,
+                          (d.q, d.kv_cache, d.query_start_loc, d.seq_lens, d.block_table, part_out, part_lse,
+                           torch.zeros(2, dtype=torch.int32, device=DEVICE), 0.25, True, 3, 16, 16, 1, 1))
     cache = torch.zeros_like(b.kv_cache)
     torch.library.opcheck(torch.ops.fullgraph.kv_write.default, (b.k, b.v, cache, b.slot_mapping))
 
@@ -303,10 +329,14 @@ def metadata_of(b: Batch, backend) -> AttentionMetadata:
                              slot_mapping=b.slot_mapping, decode_only=b.decode, backends={"dense": backend})
 
 
+@pytest.mark.parametrize("merge", [False, True], ids=["reduce-launch", "merged"])
 @pytest.mark.parametrize("num_reqs", [1, 4, 16], ids=["split", "split-small", "no-split"])
-def test_backend_forward_writes_then_attends(num_reqs):
-    """kv_write then attention from the cache, across the split-KV threshold (8 stand-in SMs)."""
+def test_backend_forward_writes_then_attends(num_reqs, merge):
+    """kv_write then attention from the cache, across the split-KV threshold (8 stand-in SMs),
+    the splits merged by a second launch or in the attention launch (FULLGRAPH_FUSE=reduce)."""
     backend, layer = make_backend()
+    if merge:
+        backend.arrivals = torch.zeros(16 * 2, dtype=torch.int32, device=DEVICE)
     real = min(num_reqs, 5)
     b = make_batch([(30 * i + 7, 1) for i in range(real)], heads=(4, 2), pad_tokens=num_reqs - real,
                    pad_reqs=num_reqs - real, decode=True, seed=14)
@@ -318,6 +348,7 @@ def test_backend_forward_writes_then_attends(num_reqs):
         out = layer(b.q, b.k, b.v, b.kv_cache, metadata_of(b, backend)).view(b.q.shape)
     assert torch.equal(b.kv_cache.nan_to_num(7.0), full_cache.nan_to_num(7.0))
     check(out, b)
+    assert backend.arrivals is None or not backend.arrivals.any()
 
 
 def test_backend_decode_split_traces_under_torch_compile():
@@ -399,13 +430,21 @@ def test_gpu_bf16_decode_split_on_off(heads):
     splits = num_kv_splits(8, heads[1], 8192, torch.cuda.get_device_properties(0).multi_processor_count)
     assert splits > 1
     part_out, part_lse = workspaces(b, splits)
-    assert_flash_rule(run(b, num_splits=splits, part_out=part_out, part_lse=part_lse), b)
+    two = run(b, num_splits=splits, part_out=part_out, part_lse=part_lse)
+    assert_flash_rule(two, b)
+    arrivals = torch.zeros(8 * heads[1], dtype=torch.int32, device=DEVICE)
+    for _ in range(3):
+        merged = run(b, num_splits=splits, part_out=part_out, part_lse=part_lse, arrivals=arrivals)
+        assert_flash_rule(merged, b)
+        torch.testing.assert_close(merged, two, atol=0, rtol=0)
+        assert not arrivals.any()
 
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("decode", [True, False], ids=["decode", "mixed"])
-def test_gpu_cuda_graph_replay_with_new_lengths(decode):
+@pytest.mark.parametrize("decode, merge", [(True, False), (True, True), (False, False)],
+                         ids=["decode", "decode-merged", "mixed"])
+def test_gpu_cuda_graph_replay_with_new_lengths(decode, merge):
     """Capture kv_write + attention once at short lengths; replay with other seq_lens/slots."""
     page, width, heads, dim = 16, 72, (8, 2), 128
     num_reqs = 4
@@ -424,6 +463,7 @@ def test_gpu_cuda_graph_replay_with_new_lengths(decode):
         if decode else 1
     assert splits > 1 or not decode
     part_out, part_lse = workspaces(static, splits)
+    arrivals = torch.zeros(num_reqs * heads[1], dtype=torch.int32, device=DEVICE) if merge else None
 
     def load(x: Batch) -> None:
         cache.zero_()
@@ -438,7 +478,8 @@ def test_gpu_cuda_graph_replay_with_new_lengths(decode):
     def body():
         kv_write(key=static.k, value=static.v, kv_cache=cache, slot_mapping=static.slot_mapping)
         return paged_attention(static.q, cache, static.query_start_loc, static.seq_lens, table, scale=dim ** -0.5,
-                               decode_only=decode, num_splits=splits, part_out=part_out, part_lse=part_lse)
+                               decode_only=decode, num_splits=splits, part_out=part_out, part_lse=part_lse,
+                               arrivals=arrivals)
     load(batches[0])
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -453,3 +494,4 @@ def test_gpu_cuda_graph_replay_with_new_lengths(decode):
         graph.replay()
         torch.cuda.synchronize()
         assert_flash_rule(out.clone(), x)       # x's own cache: also checks what kv_write wrote
+        assert arrivals is None or not arrivals.any()

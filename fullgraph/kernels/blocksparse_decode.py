@@ -11,7 +11,9 @@ G rows at once, and rows whose head does not keep the block, and keys at or past
 score -inf before the online softmax (loads use ``other=0``, so poisoned cache memory never
 reaches a result). With one split the program writes the normalised rows directly; otherwise it
 writes per-head (o, m, l) partials into caller-owned persistent buffers and
-``blocksparse_reduce`` merges them.
+``blocksparse_reduce`` merges them, or, given an ``arrivals`` counter per (request, KV head), the
+last split to finish merges them in the same launch (each split counts itself in with an acq_rel
+atomic after its stores; the last resets the counter and reads the others' rows through L2).
 
 Capture-safe: grid ``(KVH, num_splits, R)`` from static sizes; lengths are read on the device;
 the number of splits must be a function of static values (``decode_num_splits``). Padded
@@ -45,7 +47,7 @@ _NEG_BIG = tl.constexpr(-1.0e30)  # finite running-max start: exp2(-inf - _NEG_B
 @triton.jit(do_not_specialize=["num_splits"])
 def _blocksparse_decode_kernel(
     # pointers
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_ptr, partial_ml_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_ptr, partial_ml_ptr, arrivals_ptr,
     seq_lens_ptr, block_table_ptr, counts_ptr, entries_ptr,
     # sizes
     num_q_blocks, num_splits, qk_scale,
@@ -56,7 +58,7 @@ def _blocksparse_decode_kernel(
     # meta-parameters
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_BITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    MERGE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl.wait(USE_PDL)
     pdl.start_dependents(USE_PDL)
@@ -119,6 +121,32 @@ def _blocksparse_decode_kernel(
         tl.store(partial_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None])
         tl.store(partial_ml_ptr + part * 2, tl.where(l_i > 0.0, m_i, float("-inf")), mask=row_ok)
         tl.store(partial_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+        if MERGE:  # the (request, KV head)'s last split to finish merges them all
+            tl.debug_barrier()                     # every thread's partial rows are written ...
+            arrival = arrivals_ptr + req * tl.num_programs(0) + kv_head
+            if tl.atomic_add(arrival, 1, sem="acq_rel") == num_splits - 1:   # ... before it counts
+                tl.atomic_xchg(arrival, 0, sem="relaxed")                    # ready for the next launch
+                first_part = part - split                                    # split 0 of each row
+                top = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+                for t in range(num_splits):
+                    top = tl.maximum(top, tl.load(partial_ml_ptr + (first_part + t) * 2, mask=row_ok,
+                                                  other=float("-inf"), cache_modifier=".cg"))
+                top = tl.where(top == float("-inf"), 0.0, top)
+                num = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+                den = tl.zeros([BLOCK_M], dtype=tl.float32)
+                for t in range(num_splits):
+                    m_t = tl.load(partial_ml_ptr + (first_part + t) * 2, mask=row_ok, other=float("-inf"),
+                                  cache_modifier=".cg")
+                    w = tl.where(m_t == float("-inf"), 0.0, tl.exp2(m_t - top))
+                    l_t = tl.load(partial_ml_ptr + (first_part + t) * 2 + 1, mask=w > 0.0, other=0.0,
+                                  cache_modifier=".cg")
+                    o_t = tl.load(partial_out_ptr + (first_part + t)[:, None] * HEAD_DIM + offs_d[None, :],
+                                  mask=(w > 0.0)[:, None], other=0.0, cache_modifier=".cg")
+                    num += w[:, None] * o_t
+                    den += w * l_t
+                out = tl.where(den[:, None] > 0.0, num / tl.where(den > 0.0, den, 1.0)[:, None], 0.0)
+                tl.store(out_ptr + req.to(tl.int64) * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :],
+                         out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 def decode_num_splits(num_reqs: int, num_kv_heads: int, layout_width: int, sparse_block_size: int, *,
@@ -157,7 +185,7 @@ def _check(q, kv_cache, seq_lens, block_table, counts, entries, partial_out, par
 
 def _launch_decode(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
                    counts: torch.Tensor, entries: torch.Tensor, partial_out: torch.Tensor,
-                   partial_ml: torch.Tensor, sm_scale: float, sparse_block_size: int,
+                   partial_ml: torch.Tensor, arrivals: torch.Tensor, sm_scale: float, sparse_block_size: int,
                    num_splits: int) -> torch.Tensor:
     _check(q, kv_cache, seq_lens, block_table, counts, entries, partial_out, partial_ml, sparse_block_size,
            num_splits)
@@ -166,34 +194,38 @@ def _launch_decode(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tens
     group = num_heads // num_kv_heads
     out = compile_ahead.output(q.shape, q.dtype, q.device)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
+    merge = num_splits > 1 and arrivals.numel() > 0              # the splits merged in this launch
+    if merge and (arrivals.dtype != torch.int32 or arrivals.numel() < num_reqs * num_kv_heads):
+        raise ValueError(f"blocksparse decode: arrivals must be int32 with at least R * KVH = "
+                         f"{num_reqs * num_kv_heads} elements, got {arrivals.dtype} {tuple(arrivals.shape)}")
     _blocksparse_decode_kernel[(num_kv_heads, num_splits, num_reqs)](
-        q, k_cache, v_cache, out, partial_out, partial_ml, seq_lens, block_table, counts, entries,
+        q, k_cache, v_cache, out, partial_out, partial_ml, arrivals, seq_lens, block_table, counts, entries,
         counts.shape[1], num_splits, sm_scale * 1.4426950408889634,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.stride(0), counts.stride(0), entries.stride(0), entries.stride(1),
         HEAD_DIM=head_dim, GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(group)),
         SPARSE_BLOCK=sparse_block_size, PAGE_SIZE=page_size, BLOCK_N=min(sparse_block_size, 64),
-        GROUP_BITS=GROUP_BITS, DOT_PRECISION=dot_precision(q.dtype),
+        GROUP_BITS=GROUP_BITS, DOT_PRECISION=dot_precision(q.dtype), MERGE=merge,
         num_warps=4, num_stages=2 if q.is_cuda else 1, **pdl.options(q))
-    if num_splits > 1:
+    if num_splits > 1 and not merge:
         rows = num_reqs * num_heads * num_splits
         blocksparse_reduce(partial_out[:rows].view(num_reqs, num_heads, num_splits, head_dim),
                            partial_ml[:rows].view(num_reqs, num_heads, num_splits, 2), out)
     return out
 
 
-@custom_op("fullgraph::blocksparse_decode", mutates_args=("partial_out", "partial_ml"))
+@custom_op("fullgraph::blocksparse_decode", mutates_args=("partial_out", "partial_ml", "arrivals"))
 def _blocksparse_decode_op(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tensor,
                            block_table: torch.Tensor, counts: torch.Tensor, entries: torch.Tensor,
-                           partial_out: torch.Tensor, partial_ml: torch.Tensor, sm_scale: float,
-                           sparse_block_size: int, num_splits: int) -> torch.Tensor:
-    return _launch_decode(q, kv_cache, seq_lens, block_table, counts, entries, partial_out, partial_ml,
+                           partial_out: torch.Tensor, partial_ml: torch.Tensor, arrivals: torch.Tensor,
+                           sm_scale: float, sparse_block_size: int, num_splits: int) -> torch.Tensor:
+    return _launch_decode(q, kv_cache, seq_lens, block_table, counts, entries, partial_out, partial_ml, arrivals,
                           sm_scale, sparse_block_size, num_splits)
 
 
 @_blocksparse_decode_op.register_fake
-def _(q, kv_cache, seq_lens, block_table, counts, entries, partial_out, partial_ml, sm_scale,
+def _(q, kv_cache, seq_lens, block_table, counts, entries, partial_out, partial_ml, arrivals, sm_scale,
       sparse_block_size, num_splits):
     return torch.empty_like(q)
 
@@ -201,14 +233,17 @@ def _(q, kv_cache, seq_lens, block_table, counts, entries, partial_out, partial_
 def blocksparse_decode(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
                        counts: torch.Tensor, entries: torch.Tensor, partial_out: torch.Tensor,
                        partial_ml: torch.Tensor, *, sm_scale: float, sparse_block_size: int,
-                       num_splits: int) -> torch.Tensor:
+                       num_splits: int, arrivals: torch.Tensor | None = None) -> torch.Tensor:
     """Block-sparse decode attention (see the module docstring for the layout contract).
 
     ``counts``/``entries`` are a ``BlockSparseGroupLayout``'s (``build_group_layout``).
     ``partial_out``/``partial_ml`` are persistent float32 workspaces owned by the caller (rows
-    ``>= R * H * num_splits``); they are scratch, overwritten on every call. Capture-safe; runs as
-    the ``fullgraph::blocksparse_decode`` custom op. Returns a new (R, H, D) tensor.
+    ``>= R * H * num_splits``); they are scratch, overwritten on every call. With ``arrivals``
+    (int32, ``>= R * KVH`` elements, zero before and after) the last split of each (request, KV
+    head) merges in this launch instead of ``blocksparse_reduce``'s. Capture-safe; runs as the
+    ``fullgraph::blocksparse_decode`` custom op. Returns a new (R, H, D) tensor.
     """
-    return _blocksparse_decode_op(q, kv_cache, seq_lens, block_table, counts, entries,
-                                                  partial_out, partial_ml, float(sm_scale),
-                                                  int(sparse_block_size), int(num_splits))
+    if arrivals is None or num_splits == 1:
+        arrivals = q.new_empty(0, dtype=torch.int32)
+    return _blocksparse_decode_op(q, kv_cache, seq_lens, block_table, counts, entries, partial_out, partial_ml,
+                                  arrivals, float(sm_scale), int(sparse_block_size), int(num_splits))

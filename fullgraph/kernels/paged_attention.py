@@ -28,14 +28,19 @@ Algorithm: FlashAttention-2 forward (online softmax in base 2) over a paged KV c
   // BLOCK_N * BLOCK_N`` (0 without a window), ``per = cdiv(cdiv(seq_len - lo, BLOCK_N),
   NUM_SPLITS)``: the splits divide only the keys the loop walks; an empty one writes lse -inf. Each
   writes its normalised partial output and log2-sum-exp (float32) to caller-owned workspaces;
-  ``split_kv_reduce`` merges them. NUM_SPLITS comes from :func:`num_kv_splits`, static sizes only.
+  ``split_kv_reduce`` merges them in a second launch, or (MERGE, given an ``arrivals`` counter per
+  request and KV head) the last split to finish merges them in this one: every split counts itself
+  in with an acq_rel atomic after its stores, the one that sees NUM_SPLITS - 1 resets the counter
+  and reads the others' rows through L2. NUM_SPLITS comes from :func:`num_kv_splits`, static
+  sizes only.
 
 Layout contract (T tokens, R requests, padded sizes; the launcher checks shapes):
     q:               (T, H, D) fp16/bf16/fp32, ``stride(-1) == 1``; output (T, H, D), q's dtype
     kv_cache:        (2, num_blocks, PAGE_SIZE, KVH, D), q's dtype, ``stride(-1) == 1``
     query_start_loc: (R + 1,) int32, non-decreasing, ``[R] <= T``; seq_lens: (R,) int32
     block_table:     (R, MB) int32; part_out / part_lse: flat float32 workspaces of at least
-                     ``R * NUM_SPLITS * H * next_pow2(D)`` / ``R * NUM_SPLITS * H`` elements.
+                     ``R * NUM_SPLITS * H * next_pow2(D)`` / ``R * NUM_SPLITS * H`` elements;
+    arrivals:        (>= R * KVH,) int32, zero before and after the launch (MERGE only).
 Every output row is written: tokens of no request (padding) get zeros.
 """
 from __future__ import annotations
@@ -124,6 +129,32 @@ def _attend(acc, l_i, m_i, q, kv_ptr, table_ptr, start, first, seq_len, pos, win
     return acc, l_i, m_new
 
 
+@triton.jit
+def _merge_splits(out_ptr, part_out_ptr, part_lse_ptr, req, tok, head, row_ok, d, num_heads, stride_ot, stride_oh,
+                  NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  HEAD_DIM_PAD: tl.constexpr):
+    """The reduce of ``split_kv_reduce`` over one program's rows, in the same order (max, then the
+    weighted sum split by split). Reads through L2 (``.cg``): the other splits wrote from other SMs."""
+    first = (req * NUM_SPLITS * num_heads + head).to(tl.int64)      # (BLOCK_M,) row of split 0
+    top = tl.load(part_lse_ptr + first, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+    for s in range(1, NUM_SPLITS):
+        top = tl.maximum(top, tl.load(part_lse_ptr + first + s * num_heads, mask=row_ok, other=float("-inf"),
+                                      cache_modifier=".cg"))
+    top = tl.where(top == float("-inf"), 0.0, top)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    total = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for s in range(NUM_SPLITS):
+        row = first + s * num_heads
+        w = tl.math.exp2(tl.load(part_lse_ptr + row, mask=row_ok, other=float("-inf"), cache_modifier=".cg") - top)
+        part = tl.load(part_out_ptr + row[:, None] * HEAD_DIM_PAD + d[None, :], mask=(w > 0)[:, None], other=0.0,
+                       cache_modifier=".cg")                         # an empty split reads nothing
+        acc += part * w[:, None]
+        total += w
+    merged = acc / tl.where(total > 0, total, 1.0)[:, None]
+    o_ptrs = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+    tl.store(o_ptrs, merged.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (d < HEAD_DIM)[None, :])
+
+
 # The per-bucket counts are runtime values, never specialised on (Triton would compile a variant
 # per pattern of "== 1" / "divisible by 16" across the captured buckets, ~1 s of capture each);
 # NUM_SPLITS stays a constant: a runtime split count cost 7% of the batch-32 decode step.
@@ -132,7 +163,7 @@ def _attend(acc, l_i, m_i, q, kv_ptr, table_ptr, start, first, seq_len, pos, win
 def _paged_attention_kernel(
         # pointers
         out_ptr, q_ptr, kv_ptr, query_start_loc_ptr, seq_lens_ptr, block_table_ptr,
-        part_out_ptr, part_lse_ptr,
+        part_out_ptr, part_lse_ptr, arrivals_ptr,
         # sizes
         num_tokens, num_reqs, num_tiles, num_kv_heads, max_kv_len, window, qk_scale,
         # strides (elements)
@@ -142,7 +173,7 @@ def _paged_attention_kernel(
         GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
         NUM_SPLITS: tl.constexpr, DECODE: tl.constexpr, SLIDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        USE_PDL: tl.constexpr):
+        MERGE: tl.constexpr, USE_PDL: tl.constexpr):
     pdl.wait(USE_PDL)
     pdl.start_dependents(USE_PDL)
     pid = tl.program_id(0)
@@ -227,6 +258,13 @@ def _paged_attention_kernel(
         tl.store(part_out_ptr + prow[:, None] * HEAD_DIM_PAD + d[None, :], out, mask=row_ok[:, None])
         lse = tl.where(l_i > 0, m_i + tl.math.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + prow, lse, mask=row_ok)
+        if MERGE:  # the (request, KV head)'s last split to finish merges them all
+            tl.debug_barrier()                     # every thread's partial rows are written ...
+            arrival = arrivals_ptr + req * num_kv_heads + kv_head
+            if tl.atomic_add(arrival, 1, sem="acq_rel") == NUM_SPLITS - 1:   # ... before it counts
+                tl.atomic_xchg(arrival, 0, sem="relaxed")                    # ready for the next launch
+                _merge_splits(out_ptr, part_out_ptr, part_lse_ptr, req, tok, head, row_ok, d,
+                              num_kv_heads * GROUP, stride_ot, stride_oh, NUM_SPLITS, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD)
 
 
 @dataclass(frozen=True)
@@ -287,10 +325,10 @@ def split_workspace_rows(max_num_seqs: int, num_kv_heads: int, max_model_len: in
     return max(r * num_kv_splits(r, num_kv_heads, max_model_len, num_sms) for r in range(1, max_num_seqs + 1))
 
 
-@custom_op("fullgraph::paged_attention", mutates_args=("part_out", "part_lse"))
+@custom_op("fullgraph::paged_attention", mutates_args=("part_out", "part_lse", "arrivals"))
 def _paged_attention_op(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                         seq_lens: torch.Tensor, block_table: torch.Tensor, part_out: torch.Tensor,
-                        part_lse: torch.Tensor, scale: float, decode_only: bool, num_splits: int,
+                        part_lse: torch.Tensor, arrivals: torch.Tensor, scale: float, decode_only: bool, num_splits: int,
                         block_m: int, block_n: int, num_warps: int, num_stages: int,
                         window: int = 0) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
@@ -304,22 +342,23 @@ def _paged_attention_op(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc
     sliding = 0 < window < max_blocks * page_size   # a wider window masks nothing: the plain kernel
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = compile_ahead.output(q.shape, q.dtype, q.device)       # (T, H, D)
+    merge = num_splits > 1 and arrivals.numel() > 0              # the splits merged in this launch
     _paged_attention_kernel[(num_tiles * num_kv_heads, num_splits)](
-        out, q, kv_cache, query_start_loc, seq_lens, block_table, part_out, part_lse,
+        out, q, kv_cache, query_start_loc, seq_lens, block_table, part_out, part_lse, arrivals,
         num_tokens, num_reqs, num_tiles, num_kv_heads, max_blocks * page_size, window if sliding else 0, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_table.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=page_size, NUM_SPLITS=num_splits, DECODE=decode_only,
-        SLIDING=sliding, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        SLIDING=sliding, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", MERGE=merge,
         num_warps=num_warps, num_stages=num_stages, **pdl.options(q))
-    if num_splits > 1:
+    if num_splits > 1 and not merge:
         split_kv_reduce(out=out, part_out=part_out, part_lse=part_lse, num_splits=num_splits)
     return out
 
 
 @_paged_attention_op.register_fake
-def _(q, kv_cache, query_start_loc, seq_lens, block_table, part_out, part_lse, scale, decode_only,
+def _(q, kv_cache, query_start_loc, seq_lens, block_table, part_out, part_lse, arrivals, scale, decode_only,
       num_splits, block_m, block_n, num_warps, num_stages, window=0):
     return q.new_empty(q.shape)
 
@@ -347,8 +386,8 @@ def _check(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tenso
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, block_table: torch.Tensor, *, scale: float, decode_only: bool,
                     num_splits: int = 1, part_out: torch.Tensor | None = None,
-                    part_lse: torch.Tensor | None = None, config: KernelConfig | None = None,
-                    window: int = 0) -> torch.Tensor:
+                    part_lse: torch.Tensor | None = None, arrivals: torch.Tensor | None = None,
+                    config: KernelConfig | None = None, window: int = 0) -> torch.Tensor:
     """Causal attention of the step's new tokens over their requests' paged KV (module docstring).
 
     ``window`` > 0: sliding window, position q sees key k iff ``k <= q and q - k < window``
@@ -356,7 +395,10 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     never read, so their block-table entries may point anywhere (the null block). 0: full causal.
     Capture-safe: the grid, tiles and split count depend on shapes and arguments only. ``num_splits
     > 1`` (decode steps only) needs float32 workspaces ``part_out``/``part_lse`` (flat, see the
-    layout contract), allocated once by the caller. Returns (T, H, D) in q's dtype.
+    layout contract), allocated once by the caller. With ``arrivals`` (int32, at least ``R * KVH``
+    elements, all zero; the kernel leaves them zero) the last split of each (request, KV head) to
+    finish merges the partials in the same launch; without it a second launch
+    (``split_kv_reduce``) does. Returns (T, H, D) in q's dtype.
     """
     _check(q, kv_cache, query_start_loc, seq_lens, block_table, decode_only)
     if not isinstance(window, int) or window < 0:
@@ -372,13 +414,20 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         if have[0] < need[0] or have[1] < need[1] or part_out.dtype != torch.float32 or part_lse.dtype != torch.float32:
             raise ValueError(f"paged_attention: {num_splits} splits need float32 workspaces of {need} "
                              f"elements, got {have}")
+        if arrivals is not None and (arrivals.dtype != torch.int32 or arrivals.numel() < block_table.shape[0]
+                                     * kv_cache.shape[3]):
+            raise ValueError(f"paged_attention: arrivals must be int32 with at least R * KVH = "
+                             f"{block_table.shape[0] * kv_cache.shape[3]} elements, got {arrivals.dtype} "
+                             f"{tuple(arrivals.shape)}")
     else:
         part_out = part_lse = q.new_empty(0, dtype=torch.float32)
+    if arrivals is None or num_splits == 1:
+        arrivals = q.new_empty(0, dtype=torch.int32)
     max_kv_len = block_table.shape[1] * kv_cache.shape[2]
     span = window if 0 < window < max_kv_len else max_kv_len     # keys one decode program walks at most
     cfg = config or default_config(head_dim, q.dtype, decode_only, keys_per_split=_cdiv(span, num_splits))
     return _paged_attention_op(
-        q, kv_cache, query_start_loc, seq_lens, block_table, part_out, part_lse, float(scale),
+        q, kv_cache, query_start_loc, seq_lens, block_table, part_out, part_lse, arrivals, float(scale),
         bool(decode_only), int(num_splits), cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
         window)
 

@@ -108,6 +108,12 @@ class BlockSparseBackend(AttentionBackend):
         head_dim = max(layer.head_dim for layer in layers)
         self._partial_out = torch.empty(rows, head_dim, dtype=torch.float32, device=limits.device)
         self._partial_ml = torch.empty(rows, 2, dtype=torch.float32, device=limits.device)
+        # FULLGRAPH_FUSE=reduce: the last split merges in the decode launch, counted in here (zero
+        # between launches, never poisoned: not a workspace).
+        self._arrivals = None
+        if "reduce" in env.fused():
+            heads = max(glay.num_kv_heads for glay in self._group_layouts.values())
+            self._arrivals = torch.zeros(limits.max_num_seqs * heads, dtype=torch.int32, device=limits.device)
 
     def _splits(self, num_reqs: int, glay: BlockSparseGroupLayout) -> int:
         return self._num_splits(num_reqs, glay.num_kv_heads, glay.width, glay.layout.config.block_size)
@@ -139,7 +145,8 @@ class BlockSparseBackend(AttentionBackend):
             glay = self.group_layout(layer)
             return self._decode(q, kv_cache, seq_lens, block_table, glay.counts, glay.entries,
                                 self._partial_out, self._partial_ml, sm_scale=layer.scale,
-                                sparse_block_size=block, num_splits=self._splits(seq_lens.shape[0], glay))
+                                sparse_block_size=block, num_splits=self._splits(seq_lens.shape[0], glay),
+                                arrivals=self._arrivals)
         layout = self.layout(layer)
         return self._prefill(q, kv_cache, qsl, seq_lens, block_table, layout.counts, layout.indices,
                              sm_scale=layer.scale, sparse_block_size=block)

@@ -6,7 +6,8 @@ never touches the cache), rotating q and the keys in the same launch (``rope_kv_
 the rotary embedding allows. Then ``forward`` runs one ``paged_attention`` launch that reads every
 key from the cache for the whole step: prefill, chunked prefill with cached context, decode and
 mixed batches alike. Decode steps split long contexts over several programs (split-KV) and merge
-the partials in a second, tiny launch. Sliding-window layers skip the pages wholly outside the
+the partials in a second, tiny launch (or, with ``FULLGRAPH_FUSE=reduce``, in the same launch: the
+last split to finish merges). Sliding-window layers skip the pages wholly outside the
 window (the kernel's loop starts at the window), and their splits divide only the window.
 
 Capture-safe, because:
@@ -83,6 +84,13 @@ class TritonBackend(AttentionBackend):
         # its rows before the reduce reads them, so validate mode may poison them (workspaces).
         self.part_out = torch.empty(out_numel, dtype=torch.float32, device=device)
         self.part_lse = torch.empty(lse_numel, dtype=torch.float32, device=device)
+        # FULLGRAPH_FUSE=reduce: the last split of a (request, KV head) merges the partials in the
+        # attention launch itself, counted in here. Not a workspace: zero between launches (each
+        # launch leaves it so), never poisoned.
+        self.arrivals = None
+        if "reduce" in env.fused():
+            heads = max((layer.num_kv_heads for layer in layers), default=1)
+            self.arrivals = torch.zeros(limits.max_num_seqs * heads, dtype=torch.int32, device=device)
 
     @classmethod
     def unsupported_reason(cls, device: torch.device, dtype: torch.dtype, layers: list) -> str | None:
@@ -123,4 +131,4 @@ class TritonBackend(AttentionBackend):
         splits = self.num_splits(block_table.shape[0], layer.num_kv_heads, window) if decode else 1
         return paged_attention(q, kv_cache, query_start_loc, seq_lens, block_table, scale=layer.scale,
                                decode_only=decode, num_splits=splits, part_out=self.part_out,
-                               part_lse=self.part_lse, window=window)
+                               part_lse=self.part_lse, arrivals=self.arrivals, window=window)
