@@ -57,6 +57,12 @@ fusions)  # what the experimental decoder-layer fusions (FULLGRAPH_FUSE) are wor
             python3 -m fullgraph.bench decode --preset llama-8b --batch 1 --context 1024 --modes full --steps 30 \
             --loop overlap --out "$OUT/fuse_llama8b_$tag.json")
     done
+    for variant in "old .base -" "default . -" "reduce . reduce"; do   # the block-sparse merge too
+        set -- $variant
+        (cd $2 && FULLGRAPH_FUSE=${3#-} PYTHONPATH=. run "fuse_phi3_$1" 60 python3 -m fullgraph.bench decode \
+            --preset phi3-small-8k --batch 1 --context 2048 --modes full --steps 30 --loop overlap \
+            --out "$OUT/fuse_phi3_$1.json")
+    done
     ;;
 decode-ab-big)  # the same for the 7-8B shapes
     for tree in .base .; do
