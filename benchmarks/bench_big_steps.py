@@ -7,7 +7,9 @@ there? For each size S: a step of one prefill chunk of S - D tokens and D decode
 ``--context`` (an engine's mixed step), ``sampling=True`` as the engine runs it, timed
 synchronised (median of ``--iters``) in a ``"full"`` runner that captured S and in a ``"padded"``
 runner (the same buckets, eager). Also the full runner's capture time and the graph pool's
-memory with and without the sizes above 512. Prints a table and, given ``--out``, writes JSON.
+memory with and without the sizes above 512, and the same for the whole default capture schedule
+(``RunnerConfig.buckets``) up to 512 tokens and up to the largest size. Prints a table and, given
+``--out``, writes JSON.
 """
 from __future__ import annotations
 
@@ -20,14 +22,17 @@ import time
 import torch
 
 
-def build(model, mode: str, sizes: tuple[int, ...], args):
+def build(model, mode: str, sizes: tuple[int, ...] | None, args, max_num_tokens: int | None = None):
+    """A runner capturing ``sizes`` (None: the default schedule up to ``max_num_tokens``), the
+    seconds its construction and warmup took and the MiB it reserved."""
     from fullgraph import FullGraphRunner
 
     torch.cuda.synchronize()
     base = torch.cuda.memory_reserved()
     start = time.perf_counter()
-    runner = FullGraphRunner(model, sampling=True, max_num_seqs=args.decode + 1, max_num_tokens=max(sizes),
-                             max_model_len=max(sizes) + args.context + 256, cudagraph=mode, attention="triton",
+    top = max_num_tokens or max(sizes)
+    runner = FullGraphRunner(model, sampling=True, max_num_seqs=args.decode + 1, max_num_tokens=top,
+                             max_model_len=top + args.context + 256, cudagraph=mode, attention="triton",
                              capture_sizes=sizes)
     runner.warmup()
     torch.cuda.synchronize()
@@ -86,6 +91,16 @@ def main() -> None:
     del full
     gc.collect()
     torch.cuda.empty_cache()
+    schedules = {}
+    for top in (512, max(sizes)):       # the whole default schedule up to 512 tokens, and up to the largest size
+        runner, secs, mib = build(model, "full", None, args, max_num_tokens=top)
+        del runner
+        schedules[top] = (secs, mib)
+        print(f"default schedule up to {top} tokens: capture {secs:.2f} s, {mib:.0f} MiB", flush=True)
+        gc.collect()
+        torch.cuda.empty_cache()
+    gc.collect()
+    torch.cuda.empty_cache()
     padded, _, _ = build(model, "padded", sizes, args)
     eager = {s: time_step(padded, s, args) for s in sizes}
     print(f"{'tokens':>7s} {'graph ms':>9s} {'eager ms':>9s} {'eager / graph':>13s}")
@@ -95,7 +110,7 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "capture": {"small": [small, small_s, small_mib], "all": [sizes, full_s, full_mib]},
-                       "rows": rows}, f, indent=1)
+                       "default_schedule": {str(k): v for k, v in schedules.items()}, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -186,7 +186,7 @@ host)  # a decode step's host work by stage (plan, ledger, upload, launch, outpu
     run host_phi3 90 python3 -m fullgraph.bench host --preset phi3-small-8k --out "$OUT/host_phi3.json"
     ;;
 big-steps)  # large mixed steps: captured graph vs padded-eager, and what capturing up to 2048 tokens costs
-    run big_steps 120 python3 benchmarks/bench_big_steps.py --out "$OUT/big_steps.json"
+    run big_steps 240 python3 benchmarks/bench_big_steps.py --out "$OUT/big_steps.json"
     ;;
 tp)  # nvidia-h200-x2: tensor parallel against one process in "full" mode (NCCL in the graphs), Llama-8B TP=2 vs TP=1
     for model in toy-llama toy-phi3-small; do

@@ -91,6 +91,9 @@ def test_default_capture_sizes_include_off_stride_maxima():
     sizes = cfg.buckets
     assert sizes[:5] == (1, 2, 4, 8, 12) and 256 in sizes and 272 in sizes and 288 in sizes
     assert sizes[-1] == 300 and 264 not in sizes
+    big = fg.RunnerConfig(max_num_seqs=64, max_num_tokens=2048).buckets
+    assert big[big.index(512):] == (512, 640, 768, 896, 1024, 1152, 1280, 1408, 1536, 1664, 1792, 1920, 2048)
+    assert fg.RunnerConfig(max_num_seqs=64, max_num_tokens=1000).buckets[-3:] == (768, 896, 1000)
     custom = fg.RunnerConfig(max_num_seqs=6, max_num_tokens=64, capture_sizes=(8, 2, 4))
     assert custom.buckets == (2, 4, 6, 8)
 
