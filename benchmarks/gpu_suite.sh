@@ -46,6 +46,7 @@ fusions)  # what the experimental decoder-layer fusions (FULLGRAPH_FUSE) are wor
     # with the linears' dependents started right after their wait (PDL 1) or after their last tile (late)
     for variant in "old .base - 1" "default . - 1" "reduce . reduce 1" "default-late . - late" \
                    "all-late . layer,rope,reduce late"; do
+        [ -n "${NO_BASE:-}" ] && [ "${variant#old }" != "$variant" ] && continue   # NO_BASE=1: the default is the baseline
         set -- $variant
         tag=$1 tree=$2 fuse=${3#-} pdl=$4
         for preset in smollm2-135m llama-1b; do
@@ -58,6 +59,7 @@ fusions)  # what the experimental decoder-layer fusions (FULLGRAPH_FUSE) are wor
             --loop overlap --out "$OUT/fuse_llama8b_$tag.json")
     done
     for variant in "old .base -" "default . -" "reduce . reduce"; do   # the block-sparse merge too
+        [ -n "${NO_BASE:-}" ] && [ "${variant#old }" != "$variant" ] && continue
         set -- $variant
         (cd $2 && FULLGRAPH_FUSE=${3#-} PYTHONPATH=. run "fuse_phi3_$1" 60 python3 -m fullgraph.bench decode \
             --preset phi3-small-8k --batch 1 --context 2048 --modes full --steps 30 --loop overlap \
