@@ -13,7 +13,7 @@
 #   big-steps (mixed steps of 512-2048 tokens: graph vs padded-eager) host (a step's host work by stage)
 #   decode-ab, decode-ab-big (decode rows of the tree in .base/, e.g. `git archive <commit> fullgraph | tar -x -C .base`,
 #   and ours back to back) fusions (FULLGRAPH_FUSE variants beside .base/) sweep-skinny (linear configs, rows 1-64)
-#   sampling (the sampling kernel's passes and undecided-zone sizes)
+#   sampling (the sampling kernel's passes and undecided-zone sizes) reduce-ab (FULLGRAPH_FUSE=reduce against the default)
 # Logs and JSON land in $OUT (or ./out); each part has its own time limit so a call stays bounded.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -64,6 +64,17 @@ fusions)  # what the experimental decoder-layer fusions (FULLGRAPH_FUSE) are wor
         (cd $2 && FULLGRAPH_FUSE=${3#-} PYTHONPATH=. run "fuse_phi3_$1" 60 python3 -m fullgraph.bench decode \
             --preset phi3-small-8k --batch 1 --context 2048 --modes full --steps 30 --loop overlap \
             --out "$OUT/fuse_phi3_$1.json")
+    done
+    ;;
+reduce-ab)  # the split-KV merge in the attention launch (FULLGRAPH_FUSE=reduce) against the reduce launch
+    for fuse in "" reduce; do
+        tag=${fuse:-default}
+        for preset in smollm2-135m llama-1b; do
+            FULLGRAPH_FUSE=$fuse run "fuse_${preset}_$tag" 60 python3 -m fullgraph.bench decode --preset $preset \
+                --batch 1 32 --context 1024 --modes full --steps 30 --loop overlap --out "$OUT/fuse_${preset}_$tag.json"
+        done
+        FULLGRAPH_FUSE=$fuse run "fuse_phi3_$tag" 60 python3 -m fullgraph.bench decode --preset phi3-small-8k \
+            --batch 1 --context 2048 --modes full --steps 30 --loop overlap --out "$OUT/fuse_phi3_$tag.json"
     done
     ;;
 decode-ab-big)  # the same for the 7-8B shapes
