@@ -2,13 +2,23 @@
 the benchmark CLI runs on the CPU."""
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounter
 
 import fullgraph as fg
-from fullgraph.bench.peers import NaiveDecoder
+from fullgraph.bench import peers
+from fullgraph.bench.peers import HFStaticDecoder, NaiveDecoder, NoPeer, hf_llama
+
+# toy-llama with what the presets add (tied head, llama3 RoPE) and every bias LlamaForCausalLM has
+LLAMA_VARIANT = fg.models.LlamaConfig.toy().replace(
+    tie_word_embeddings=True, attention_bias=True, mlp_bias=True, rope_theta=500000.0,
+    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 32})
 
 
 @pytest.mark.parametrize("model", [fg.models.Llama(fg.models.LlamaConfig.toy(), seed=3),
@@ -27,6 +37,95 @@ def test_naive_peer_decodes_what_the_model_computes(model):
     finite = torch.isfinite(want)
     assert torch.equal(finite, torch.isfinite(got))
     torch.testing.assert_close(got[finite], want[finite], rtol=1e-4, atol=1e-4)
+
+
+def ours(model, prompts: torch.Tensor) -> torch.Tensor:
+    """Our model's logits (B, vocab) after each row of ``prompts`` (B, T), eagerly."""
+    runner = fg.FullGraphRunner(model, cudagraph="none", max_num_seqs=4, max_num_tokens=128, max_model_len=64)
+    return runner.step([fg.SeqChunk(p.tolist(), 0, runner.blocks.allocate(4)) for p in prompts]).logits
+
+
+@pytest.mark.parametrize("model", [fg.models.Llama(LLAMA_VARIANT, seed=5),
+                                   fg.models.Phi3Small(fg.models.Phi3SmallConfig.toy(), seed=5)],
+                         ids=["llama", "phi3-small"])
+def test_naive_peer_decodes_a_batch_at_one_position(model):
+    prompts = torch.randint(0, 500, (3, 13), generator=torch.Generator().manual_seed(1))   # within the sparse window
+    peer = NaiveDecoder(model, batch=3, max_len=48)
+    with torch.inference_mode():
+        for pos in range(prompts.shape[1]):  # every request at the same position, as the benchmark runs them
+            peer.tokens.copy_(prompts[:, pos])
+            peer.pos.fill_(pos)
+            got = peer()
+    want = ours(model, prompts)
+    finite = torch.isfinite(want)
+    assert got.shape == (3, model.vocab_size) and torch.equal(finite, torch.isfinite(got))
+    torch.testing.assert_close(got[finite], want[finite], rtol=1e-4, atol=1e-4)
+
+
+def test_naive_peer_compiles_whole_once_for_every_position():
+    model = fg.models.Llama(fg.models.LlamaConfig.toy(), seed=3)
+    peer = NaiveDecoder(model, batch=2, max_len=32)
+    peer.tokens.copy_(torch.tensor([7, 300]))
+    counter = CompileCounter()
+    compiled = torch.compile(peer, backend=counter, fullgraph=True)   # fullgraph: no host sync, no break
+    with torch.inference_mode():
+        for pos in (5, 6, 9):
+            peer.pos.fill_(pos)
+            got = compiled()
+        keys = peer.k0.clone()
+        want = peer()   # eager, at the same position over the same cache
+    assert counter.frame_count == 1
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(peer.k0, keys)   # rewriting position 9 changed nothing else
+
+
+@pytest.mark.parametrize("config", [fg.models.LlamaConfig.toy(), LLAMA_VARIANT], ids=["toy", "tied-llama3-bias"])
+def test_hf_peer_model_computes_what_the_model_computes(config):
+    pytest.importorskip("transformers")
+    model = fg.models.Llama(config, seed=4)
+    prompts = torch.randint(0, config.vocab_size, (3, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        got = hf_llama(model)(prompts).logits[:, -1]
+    want = ours(model, prompts)
+    assert (got - want).abs().max() / want.abs().max() < 1e-5
+
+
+def test_hf_peer_prefills_in_chunks_then_decodes_under_one_compiled_graph():
+    pytest.importorskip("transformers")
+    model = fg.models.Llama(LLAMA_VARIANT, seed=6)
+    with torch.inference_mode():
+        dec = HFStaticDecoder(model, batch=3, context=21, max_len=64, prefill_tokens=24)   # chunks of 8, 8, 5
+        first = dec.step()
+        dec.advance()
+        counter = CompileCounter()
+        dec.hf.forward = torch.compile(dec.hf.forward, backend=counter, fullgraph=True)   # the timed path's tracing
+        steps = []
+        for _ in range(3):
+            steps.append(dec.step())
+            dec.advance()
+    assert counter.frame_count == 1 and dec.positions[:, 0].tolist() == [25] * 3
+    for k, got in enumerate([first] + steps):   # the same token decoded again at each next position
+        want = ours(model, torch.cat([dec.prompt] + [dec.prompt[:, -1:]] * k, dim=1))
+        assert (got - want).abs().max() / want.abs().max() < 1e-5, f"step {k}"
+
+
+def test_hf_peer_refuses_what_llama_cannot_express(monkeypatch, capsys):
+    from fullgraph.bench import _peer_rows
+
+    phi3 = fg.models.Phi3Small(fg.models.Phi3SmallConfig.toy(), seed=0)
+    with pytest.raises(ValueError, match="no transformers peer for Phi3Small"):
+        hf_llama(phi3)
+    with pytest.raises(NoPeer, match="Qwen3"):
+        hf_llama(fg.models.Llama(fg.models.LlamaConfig.toy().replace(qk_norm=True), seed=0))
+    with pytest.raises(ValueError, match="expected one of"):
+        peers.time_peer(phi3, "eager", batch=1, context=4)
+    monkeypatch.setattr(peers, "PEERS", ("hf-static-compile",))   # the others need CUDA
+    args = argparse.Namespace(steps=2, warmup=1, preset="phi3-toy")
+    assert _peer_rows(args, phi3, 1, 1.0, 4, 1, {}) == []
+    assert "peer hf-static-compile skipped: no transformers peer for Phi3Small" in capsys.readouterr().out
+    monkeypatch.setitem(sys.modules, "transformers", None)   # not installed
+    with pytest.raises(NoPeer, match="needs transformers"):
+        hf_llama(fg.models.Llama(fg.models.LlamaConfig.toy(), seed=0))
 
 
 def test_bench_plan_and_host_run_on_cpu(tmp_path, capsys):

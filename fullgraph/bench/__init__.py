@@ -223,20 +223,25 @@ def kv_bytes(model, kv_caches, batch: int, context: int) -> tuple[int, int]:
 
 
 def _peer_rows(args, model, w_bytes, bandwidth, context, batch, like: dict) -> list[dict]:
-    """The naive whole-model graph and reduce-overhead peers at this shape (``bench.peers``)."""
-    from .peers import time_peer
+    """The naive whole-model graph, reduce-overhead and transformers static-cache peers at this
+    shape (``bench.peers``); a peer that cannot serve this model prints why and makes no row."""
+    from .peers import PEERS, NoPeer, time_peer
 
     rows = []
-    for kind in ("naive-graph", "reduce-overhead"):
+    for kind in PEERS:
         try:
             t = time_peer(model, kind, batch, context, steps=args.steps, warmup=args.warmup)
-        except Exception as err:  # noqa: BLE001 (a peer that cannot run is a row saying why, not a crash)
+        except NoPeer as err:  # no such peer for this model (or transformers is missing)
+            print(f"  peer {kind} skipped: {err}", flush=True)
+            continue
+        except Exception as err:  # noqa: BLE001 (a peer that cannot run is a line saying why, not a crash)
             print(f"  peer {kind} failed: {type(err).__name__}: {err}", flush=True)
             continue
         size = next(model.parameters()).element_size()
         dense = batch * context * sum(2 * l.num_kv_heads * l.head_dim * size for l in model.attention_layers())
         rows.append({**{k: like[k] for k in ("preset", "batch", "context", "dtype", "weight_bytes", "copy_TBps")},
-                     "mode": kind, "attention": "naive", "compile": kind == "reduce-overhead", "loop": "sync",
+                     "mode": kind, "attention": "hf-sdpa" if kind == "hf-static-compile" else "naive",
+                     "compile": kind != "naive-graph", "loop": "sync",
                      "step_ms": t["step_ms"], "replay_ms": t["replay_ms"], "replay1_ms": float("nan"),
                      "launch_ms": float("nan"), "p10_ms": float("nan"), "p90_ms": float("nan"),
                      "floor_ms": (w_bytes + dense) / bandwidth * 1e3, "kv_bytes": dense, "kv_MB": dense / 1e6,

@@ -33,8 +33,9 @@ def main(argv: list[str] | None = None, attention=None) -> None:
     d.add_argument("--compile", action="store_true", help="compile=True")
     d.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard the model over this many processes (torchrun --nproc-per-node N; rank 0 reports)")
-    d.add_argument("--peers", action="store_true", help="also time a naive whole-model CUDA graph and "
-                   "torch.compile(mode='reduce-overhead') of the same shape (CUDA)")
+    d.add_argument("--peers", action="store_true", help="also time the peers of the same shape (CUDA): a plain "
+                   "whole-model CUDA graph, its torch.compile(mode='reduce-overhead'), and transformers' "
+                   "StaticCache + torch.compile (Llama family)")
     d.add_argument("--loop", nargs="+", default=["sync"], choices=["sync", "overlap"],
                    help="sync: each step synchronised; overlap: each step launched before the previous "
                         "step's tokens are read (ids handed over on the device), step_ms is then the time "

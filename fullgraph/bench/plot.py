@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 
+from .peers import PEERS
+
 
 def bench_plot(args) -> list[dict]:
     try:
@@ -24,7 +26,7 @@ def bench_plot(args) -> list[dict]:
                 continue
             lines[f"{r['mode']}{' compiled' if r.get('compile') and r['mode'] == 'full' else ''} ({r['loop']})"][
                 r["batch"]] = r["step_ms"]
-            if r["mode"] not in ("naive-graph", "reduce-overhead"):
+            if r["mode"] not in PEERS:
                 floor[r["batch"]] = r["floor_ms"]
         for label, points in sorted(lines.items()):
             xs = sorted(points)
