@@ -86,7 +86,8 @@ def _serve_parser(sub, fmt, backends: list[str]) -> None:
     s.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
     s.add_argument("--max-model-len", type=int, default=None, help="longest sequence (default: the model's, <= 4096)")
     s.add_argument("--max-num-tokens", type=int, default=1024, help="token budget of a step")
-    s.add_argument("--max-capture-size", type=int, default=None, help="largest captured step (tokens)")
+    s.add_argument("--max-capture-size", type=int, default=None,
+                   help="largest captured step in tokens (default: --max-num-tokens, every step in a graph)")
     s.add_argument("--num-blocks", type=int, default=None, help="KV-cache pages (default: max-num-seqs full sequences)")
     s.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache page")
     s.add_argument("--cudagraph", default="auto", choices=["auto", "none", "padded", "full"], help="runner mode")

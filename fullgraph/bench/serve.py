@@ -39,7 +39,7 @@ def _progress(done: int, total: int, start: float) -> None:
 def engine_runner(args, model) -> FullGraphRunner:
     max_len = args.shared_prefix + args.input_len * 3 // 2 + args.output_len + 16
     runner = FullGraphRunner(model, sampling=True, max_num_seqs=args.max_num_seqs, max_num_tokens=args.max_num_tokens,
-                             max_model_len=-(-max_len // 256) * 256, max_capture_size=min(args.max_num_tokens, 512),
+                             max_model_len=-(-max_len // 256) * 256,
                              cudagraph="full" if torch.cuda.is_available() else "padded")
     runner.warmup()
     return runner
