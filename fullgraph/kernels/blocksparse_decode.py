@@ -58,7 +58,7 @@ def _blocksparse_decode_kernel(
     # meta-parameters
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, SPARSE_BLOCK: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_BITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    MERGE: tl.constexpr, SPLITS_PAD: tl.constexpr, USE_PDL: tl.constexpr,
+    MERGE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl.wait(USE_PDL)
     pdl.start_dependents(USE_PDL)
@@ -126,19 +126,16 @@ def _blocksparse_decode_kernel(
             arrival = arrivals_ptr + req * tl.num_programs(0) + kv_head
             if tl.atomic_add(arrival, 1, sem="acq_rel") == num_splits - 1:   # ... before it counts
                 tl.atomic_xchg(arrival, 0, sem="relaxed")                    # ready for the next launch
-                # Unrolled over SPLITS_PAD >= num_splits lanes: every split's loads in flight at once.
                 first_part = part - split                                    # split 0 of each row
                 top = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-                for t in tl.static_range(SPLITS_PAD):
-                    live = row_ok & (tl.full([BLOCK_M], t, tl.int32) < num_splits)
-                    top = tl.maximum(top, tl.load(partial_ml_ptr + (first_part + t) * 2, mask=live,
+                for t in range(num_splits):
+                    top = tl.maximum(top, tl.load(partial_ml_ptr + (first_part + t) * 2, mask=row_ok,
                                                   other=float("-inf"), cache_modifier=".cg"))
                 top = tl.where(top == float("-inf"), 0.0, top)
                 num = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
                 den = tl.zeros([BLOCK_M], dtype=tl.float32)
-                for t in tl.static_range(SPLITS_PAD):
-                    live = row_ok & (tl.full([BLOCK_M], t, tl.int32) < num_splits)
-                    m_t = tl.load(partial_ml_ptr + (first_part + t) * 2, mask=live, other=float("-inf"),
+                for t in range(num_splits):
+                    m_t = tl.load(partial_ml_ptr + (first_part + t) * 2, mask=row_ok, other=float("-inf"),
                                   cache_modifier=".cg")
                     w = tl.where(m_t == float("-inf"), 0.0, tl.exp2(m_t - top))
                     l_t = tl.load(partial_ml_ptr + (first_part + t) * 2 + 1, mask=w > 0.0, other=0.0,
@@ -210,7 +207,6 @@ def _launch_decode(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tens
         HEAD_DIM=head_dim, GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(group)),
         SPARSE_BLOCK=sparse_block_size, PAGE_SIZE=page_size, BLOCK_N=min(sparse_block_size, 64),
         GROUP_BITS=GROUP_BITS, DOT_PRECISION=dot_precision(q.dtype), MERGE=merge,
-        SPLITS_PAD=max(16, triton.next_power_of_2(num_splits)) if merge else 16,
         num_warps=4, num_stages=2 if q.is_cuda else 1, **pdl.options(q))
     if num_splits > 1 and not merge:
         rows = num_reqs * num_heads * num_splits
