@@ -134,18 +134,16 @@ def _merge_splits(out_ptr, part_out_ptr, part_lse_ptr, req, tok, head, row_ok, d
                   NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
                   HEAD_DIM_PAD: tl.constexpr):
     """The reduce of ``split_kv_reduce`` over one program's rows, in the same order (max, then the
-    weighted sum split by split). Reads through L2 (``.cg``): the other splits wrote from other SMs.
-    Unrolled (NUM_SPLITS is a constant), so every split's loads are in flight at once: as a loop,
-    one dependent L2 round trip per split made the merged step slower at batch 1 (up to 64 splits)."""
+    weighted sum split by split). Reads through L2 (``.cg``): the other splits wrote from other SMs."""
     first = (req * NUM_SPLITS * num_heads + head).to(tl.int64)      # (BLOCK_M,) row of split 0
     top = tl.load(part_lse_ptr + first, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-    for s in tl.static_range(1, NUM_SPLITS):
+    for s in range(1, NUM_SPLITS):
         top = tl.maximum(top, tl.load(part_lse_ptr + first + s * num_heads, mask=row_ok, other=float("-inf"),
                                       cache_modifier=".cg"))
     top = tl.where(top == float("-inf"), 0.0, top)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     total = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
+    for s in range(NUM_SPLITS):
         row = first + s * num_heads
         w = tl.math.exp2(tl.load(part_lse_ptr + row, mask=row_ok, other=float("-inf"), cache_modifier=".cg") - top)
         part = tl.load(part_out_ptr + row[:, None] * HEAD_DIM_PAD + d[None, :], mask=(w > 0)[:, None], other=0.0,
