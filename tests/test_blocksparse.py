@@ -292,7 +292,7 @@ def test_decode_kernel_matches_reference(num_splits):
     assert (out[-2:] == 0).all(), "padded requests must be zeros"
 
 
-@pytest.mark.parametrize("num_splits", [3, 8])
+@pytest.mark.parametrize("num_splits", [3, 8, 17])
 def test_decode_splits_merged_in_the_launch(num_splits):
     """The last split to arrive merges (``arrivals``): the rows of the two-launch form, the
     counters back at zero after each launch, so the next launch merges too."""
@@ -307,6 +307,25 @@ def test_decode_splits_merged_in_the_launch(num_splits):
         torch.testing.assert_close(out, two, atol=1e-6, rtol=1e-6)
     with pytest.raises(ValueError, match="arrivals"):
         run_decode(batch, CFG, num_splits, arrivals=arrivals[:1])
+
+
+@pytest.mark.skipif(DEV.type == "cuda", reason="needs the interpreter's one-program-at-a-time order")
+def test_decode_merge_counts_each_request_and_kv_head_apart():
+    """A counter already at 1 for one (request, KV head) makes that pair merge one split early:
+    only that pair's rows go wrong and only its counter is left over."""
+    batch = make_batch([(250, 1), (301, 1), (160, 1)], pad_reqs=0, pad_tokens=0)
+    kvh, group = batch.kv_cache.shape[3], batch.q.shape[1] // batch.kv_cache.shape[3]
+    two = run_decode(batch, CFG, 3)
+    arrivals = torch.zeros(3 * kvh, dtype=torch.int32, device=DEV)
+    arrivals[1 * kvh + kvh - 1] = 1                          # request 1, the last KV head
+    out = run_decode(batch, CFG, 3, arrivals=arrivals)
+    wrong = ~torch.isclose(out, two, atol=1e-5, rtol=1e-5).all(-1)                 # (R, H)
+    expected = torch.zeros_like(wrong)
+    expected[1, (kvh - 1) * group:] = True
+    assert torch.equal(wrong, expected)
+    left = torch.zeros_like(arrivals)
+    left[1 * kvh + kvh - 1] = 1
+    assert torch.equal(arrivals, left)
 
 
 @pytest.mark.parametrize("impl", ["triton", "torch"])

@@ -215,7 +215,8 @@ def test_traces_under_torch_compile_fullgraph():
     part = torch.empty(0, device=DEVICE)
     torch.library.opcheck(torch.ops.fullgraph.paged_attention.default,
                           (s.q, s.kv_cache, s.query_start_loc, s.seq_lens, s.block_table, part,
-                           part, 0.25, False, 1, 16, 16, 1, 1, window))
+                           part, torch.empty(0, dtype=torch.int32, device=DEVICE), 0.25, False, 1, 16, 16, 1, 1,
+                           window))
 
 
 @pytest.mark.parametrize("window", [-1, 2.0, "16"])

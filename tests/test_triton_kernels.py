@@ -203,6 +203,24 @@ def test_split_kv_merged_in_the_launch(splits):
         run(b, num_splits=splits, part_out=part_out, part_lse=part_lse, arrivals=arrivals[:3])
 
 
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="needs the interpreter's one-program-at-a-time order")
+def test_split_kv_merge_counts_each_request_and_kv_head_apart():
+    """A counter already at 1 for one (request, KV head) makes that pair merge one split early:
+    only that pair's rows go wrong and only its counter is left over, so every pair has its own."""
+    b = make_batch([(c, 1) for c in (40, 95, 70)], heads=(4, 2), decode=True, seed=9)
+    part_out, part_lse = workspaces(b, 3)
+    two = run(b, num_splits=3, part_out=part_out, part_lse=part_lse)
+    arrivals = torch.zeros(3 * 2, dtype=torch.int32, device=DEVICE)
+    arrivals[1 * 2 + 1] = 1                                  # request 1, KV head 1 (query heads 2, 3)
+    part_out.fill_(NAN), part_lse.fill_(NAN)
+    out = run(b, num_splits=3, part_out=part_out, part_lse=part_lse, arrivals=arrivals)
+    wrong = ~torch.isclose(out, two, atol=1e-5, rtol=1e-5).all(-1)                 # (T, H)
+    expected = torch.zeros_like(wrong)
+    expected[1, 2:] = True
+    assert torch.equal(wrong, expected)
+    assert arrivals.tolist() == [0, 0, 0, 1, 0, 0]
+
+
 def test_split_count_is_static_and_fits_workspace():
     sms, kv_heads, max_len = 8, 2, 4096
     counts = [num_kv_splits(r, kv_heads, max_len, sms) for r in range(1, 33)]
@@ -337,6 +355,8 @@ def test_backend_forward_writes_then_attends(num_reqs, merge):
     backend, layer = make_backend()
     if merge:
         backend.arrivals = torch.zeros(16 * 2, dtype=torch.int32, device=DEVICE)
+    else:
+        assert backend.arrivals is None, "the merge is opt-in (FULLGRAPH_FUSE=reduce)"
     real = min(num_reqs, 5)
     b = make_batch([(30 * i + 7, 1) for i in range(real)], heads=(4, 2), pad_tokens=num_reqs - real,
                    pad_reqs=num_reqs - real, decode=True, seed=14)
@@ -349,6 +369,16 @@ def test_backend_forward_writes_then_attends(num_reqs, merge):
     assert torch.equal(b.kv_cache.nan_to_num(7.0), full_cache.nan_to_num(7.0))
     check(out, b)
     assert backend.arrivals is None or not backend.arrivals.any()
+
+
+def test_backend_allocates_the_counters_only_when_merging(monkeypatch):
+    import fullgraph.env
+
+    monkeypatch.setattr(fullgraph.env, "fused", lambda: frozenset({"reduce"}))
+    backend, _ = make_backend(max_num_seqs=16, heads=(4, 2))
+    assert backend.arrivals.dtype == torch.int32 and backend.arrivals.numel() == 16 * 2
+    assert not backend.arrivals.any()
+    assert "arrivals" not in backend.workspaces(), "a workspace is poisoned in validate mode; the counters must stay zero"
 
 
 def test_backend_decode_split_traces_under_torch_compile():

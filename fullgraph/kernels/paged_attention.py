@@ -342,7 +342,7 @@ def _paged_attention_op(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc
     sliding = 0 < window < max_blocks * page_size   # a wider window masks nothing: the plain kernel
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = compile_ahead.output(q.shape, q.dtype, q.device)       # (T, H, D)
-    merge = num_splits > 1 and arrivals.numel() > 0              # the splits merged in this launch
+    merge = num_splits > 1 and decode_only and arrivals.numel() > 0   # the splits merged in this launch
     _paged_attention_kernel[(num_tiles * num_kv_heads, num_splits)](
         out, q, kv_cache, query_start_loc, seq_lens, block_table, part_out, part_lse, arrivals,
         num_tokens, num_reqs, num_tiles, num_kv_heads, max_blocks * page_size, window if sliding else 0, scale * LOG2E,

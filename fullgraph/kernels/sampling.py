@@ -36,8 +36,8 @@ Measured on an H200, V = 128256, batch 32, per call in a CUDA graph (2026-12-05,
 steps at 2 programs per SM): greedy 14 us, min-p 40-53 us, top-k 50 + top-p 0.95 106 us, top-p 0.9
 148 us (the sort-based reference: 1.9 ms). Per pass: max 6, level-1 histogram 24, level-2 28,
 compact 30-56, select 2-14 us; a pass with nothing to do costs 1.6 us. With 1024-token steps at 8
-programs per SM (the default since): top-p 0.9 107 us, top-k 50 + top-p 0.95 69 us (batch 64: 193
-and 116 us).
+programs per SM (the launch shape from 16 rows since): top-p 0.9 107 us, top-k 50 + top-p 0.95 69
+us (batch 64: 193 and 116 us).
 
 Layout contract:
     logits:        (R, V) float32/bf16/fp16, ``stride(-1) == 1``
@@ -211,32 +211,47 @@ def _compact_kernel(
         tl.store(part_i_ptr + (row * num_chunks + c) * 3 + 2, n)
 
 
+MANY_ROWS = 16  # from this many rows the row passes take BLOCK-token steps over 8 programs per SM
+
+
 @functools.cache
-def _target_programs(device: torch.device) -> int:
-    """Programs a row pass aims at: 8 per SM. Each program's loop is a chain of dependent steps
-    (load, bucket, histogram, scan), so short chains in many programs beat long ones in few:
-    on the H200 (``bench_sampling.py --sweep``, V = 128256) top-p 0.9 at batch 32 took 148 us
-    with 4096-token steps at 2 programs per SM and 107 us with 1024 at 8; batch 64: 292 -> 193."""
+def _sms(device: torch.device) -> int:
     if device.type == "cuda":
-        return 8 * torch.cuda.get_device_properties(device).multi_processor_count
-    return 8
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def _launch_shape(rows: int, device: torch.device) -> tuple[int, int]:
+    """(tokens per loop step, programs a row pass aims at). Each program's loop is a chain of
+    dependent steps (load, bucket, histogram, scan), so once there are rows enough, short chains
+    in many programs beat long ones in few: on the H200 (``bench_sampling.py --sweep``, V =
+    128256) top-p 0.9 at batch 32 took 148 us with 4096-token steps at 2 programs per SM and 107
+    us with 1024 at 8 (batch 64: 292 -> 193). Fewer rows keep the shape measured there before
+    (4096 at 2 per SM: one step a program already), which also keeps the select pass's walks over
+    the row's chunks short (they visit every chunk in turn)."""
+    if rows >= MANY_ROWS:
+        return BLOCK, 8 * _sms(device)
+    return 4 * BLOCK, 2 * _sms(device)
 
 
 def launch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-           min_p: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor, *, block: int = BLOCK,
+           min_p: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor, *, block: int | None = None,
            num_chunks: int | None = None, cand_block: int = CAND_BLOCK, refine_above: int = REFINE_ABOVE,
            workspace: dict | None = None) -> torch.Tensor:
     """Launch the passes; ``block``, ``num_chunks``, ``cand_block`` and ``refine_above`` are tuning
-    knobs (tests shrink them to reach every path on small vocabularies); a ``workspace`` dict
-    receives the intermediate tensors (``zones``: see ``_level_zones``). Capture-safe."""
+    knobs (tests shrink them to reach every path on small vocabularies; None: ``_launch_shape``);
+    a ``workspace`` dict receives the intermediate tensors (``zones``: see ``_level_zones``).
+    Capture-safe: the launch shape depends on the row count only."""
     rows, vocab = logits.shape
     out = compile_ahead.output(rows, torch.int64, logits.device)
     if rows == 0:
         return out
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
+    shape_block, target = _launch_shape(rows, logits.device)
+    block = block or shape_block
     max_chunks = triton.cdiv(vocab, block)
-    c = num_chunks or max(1, min(max_chunks, triton.cdiv(_target_programs(logits.device), rows)))
+    c = num_chunks or max(1, min(max_chunks, triton.cdiv(target, rows)))
     c = min(c, max_chunks)
     chunk = triton.cdiv(triton.cdiv(vocab, c), block) * block
     c = triton.cdiv(vocab, chunk)
