@@ -14,6 +14,7 @@
 #   decode-ab, decode-ab-big (decode rows of the tree in .base/, e.g. `git archive <commit> fullgraph | tar -x -C .base`,
 #   and ours back to back) fusions (FULLGRAPH_FUSE variants beside .base/) sweep-skinny (linear configs, rows 1-64)
 #   sampling (the sampling kernel's passes and undecided-zone sizes) reduce-ab (FULLGRAPH_FUSE=reduce against the default)
+#   host-calls (the cost of one Python, numpy and CUDA call on the machine)
 # Logs and JSON land in $OUT (or ./out); each part has its own time limit so a call stays bounded.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -197,6 +198,9 @@ race-sdpa)  # racecheck over the reference backend's phases (cuDNN's attention k
 host)  # a decode step's host work by stage (plan, ledger, upload, launch, outputs, record), batch 1 / 32 / 256
     run host_llama1b 60 python3 -m fullgraph.bench host --preset llama-1b --out "$OUT/host_llama1b.json"
     run host_phi3 90 python3 -m fullgraph.bench host --preset phi3-small-8k --out "$OUT/host_phi3.json"
+    ;;
+host-calls)  # what one Python / numpy / CUDA call costs on this machine (the host stages' ingredients)
+    run host_calls 60 python3 benchmarks/host_calls.py --out "$OUT/host_calls.json"
     ;;
 big-steps)  # large mixed steps: captured graph vs padded-eager, and what capturing up to 2048 tokens costs
     run big_steps 240 python3 benchmarks/bench_big_steps.py --out "$OUT/big_steps.json"
