@@ -328,8 +328,8 @@ def split_workspace_rows(max_num_seqs: int, num_kv_heads: int, max_model_len: in
 @custom_op("fullgraph::paged_attention", mutates_args=("part_out", "part_lse", "arrivals"))
 def _paged_attention_op(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                         seq_lens: torch.Tensor, block_table: torch.Tensor, part_out: torch.Tensor,
-                        part_lse: torch.Tensor, arrivals: torch.Tensor, scale: float, decode_only: bool, num_splits: int,
-                        block_m: int, block_n: int, num_warps: int, num_stages: int,
+                        part_lse: torch.Tensor, arrivals: torch.Tensor, scale: float, decode_only: bool,
+                        num_splits: int, block_m: int, block_n: int, num_warps: int, num_stages: int,
                         window: int = 0) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
     _, _, page_size, num_kv_heads, _ = kv_cache.shape
