@@ -19,7 +19,7 @@ from fullgraph.attention import Attention
 from fullgraph.attention.backends import BackendLimits, get_backend_class
 from fullgraph.attention import AttentionMetadata
 from fullgraph.kernels import KernelConfig, kv_write, num_kv_splits, paged_attention, split_workspace_rows
-from fullgraph.kernels.paged_attention import MAX_SPLITS
+from fullgraph.kernels.split_kv_reduce import MAX_SPLITS
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 NAN = float("nan")

@@ -10,11 +10,10 @@ from .linear import NO_LIMIT as linear_no_limit
 from .linear import linear
 from .linear_rope_kv import linear_rope_kv_write
 from .norm import add_layer_norm, add_rms_norm, layer_norm, rms_norm
-from .paged_attention import (KernelConfig, default_config, num_kv_splits, paged_attention,
-                              split_workspace_rows)
+from .paged_attention import KernelConfig, default_config, paged_attention
 from .rope import rope
 from .rope_kv_write import rope_kv_write
-from .split_kv_reduce import split_kv_reduce
+from .split_kv_reduce import num_kv_splits, split_kv_reduce, split_workspace_rows
 
 __all__ = ["KernelConfig", "add_layer_norm", "add_rms_norm", "default_config", "gegelu", "kv_write",
            "layer_norm", "linear", "linear_no_limit", "linear_rope_kv_write", "num_kv_splits", "paged_attention", "rms_norm", "rope",

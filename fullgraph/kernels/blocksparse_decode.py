@@ -36,7 +36,7 @@ import triton.language as tl
 
 from . import compile_ahead, pdl
 from .blocksparse_prefill import check_paged_inputs, dot_precision
-from .blocksparse_reduce import blocksparse_reduce
+from .blocksparse_reduce import blocksparse_reduce, merge_split_rows
 from .._compat import custom_op
 
 GROUP_BITS = 16  # entry = kb << GROUP_BITS | head bits (the group layout's format; kernels import no layout code)
@@ -126,27 +126,8 @@ def _blocksparse_decode_kernel(
             arrival = arrivals_ptr + req * tl.num_programs(0) + kv_head
             if tl.atomic_add(arrival, 1, sem="acq_rel") == num_splits - 1:   # ... before it counts
                 tl.atomic_xchg(arrival, 0, sem="relaxed")                    # ready for the next launch
-                first_part = part - split                                    # split 0 of each row
-                top = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-                for t in range(num_splits):
-                    top = tl.maximum(top, tl.load(partial_ml_ptr + (first_part + t) * 2, mask=row_ok,
-                                                  other=float("-inf"), cache_modifier=".cg"))
-                top = tl.where(top == float("-inf"), 0.0, top)
-                num = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-                den = tl.zeros([BLOCK_M], dtype=tl.float32)
-                for t in range(num_splits):
-                    m_t = tl.load(partial_ml_ptr + (first_part + t) * 2, mask=row_ok, other=float("-inf"),
-                                  cache_modifier=".cg")
-                    w = tl.where(m_t == float("-inf"), 0.0, tl.exp2(m_t - top))
-                    l_t = tl.load(partial_ml_ptr + (first_part + t) * 2 + 1, mask=w > 0.0, other=0.0,
-                                  cache_modifier=".cg")
-                    o_t = tl.load(partial_out_ptr + (first_part + t)[:, None] * HEAD_DIM + offs_d[None, :],
-                                  mask=(w > 0.0)[:, None], other=0.0, cache_modifier=".cg")
-                    num += w[:, None] * o_t
-                    den += w * l_t
-                out = tl.where(den[:, None] > 0.0, num / tl.where(den > 0.0, den, 1.0)[:, None], 0.0)
-                tl.store(out_ptr + req.to(tl.int64) * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :],
-                         out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+                merge_split_rows(partial_out_ptr, partial_ml_ptr, out_ptr + req.to(tl.int64) * stride_o_tok,
+                                 part - split, head, row_ok, offs_d, num_splits, stride_o_head, BLOCK_M, HEAD_DIM)
 
 
 def decode_num_splits(num_reqs: int, num_kv_heads: int, layout_width: int, sparse_block_size: int, *,

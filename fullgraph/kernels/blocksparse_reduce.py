@@ -55,6 +55,32 @@ def _blocksparse_reduce_kernel(
              out.to(out_ptr.dtype.element_ty))
 
 
+@triton.jit
+def merge_split_rows(partial_out_ptr, partial_ml_ptr, out_row_ptr, first_part, head, row_ok, offs_d, num_splits,
+                     stride_o_head, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The same merge for the rows of one decode program (its query heads ``head``, partial rows
+    ``first_part + s``), inside the decode launch (its in-launch merge). Reads through L2 (``.cg``):
+    the other splits wrote from other SMs."""
+    top = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for t in range(num_splits):
+        top = tl.maximum(top, tl.load(partial_ml_ptr + (first_part + t) * 2, mask=row_ok, other=float("-inf"),
+                                      cache_modifier=".cg"))
+    top = tl.where(top == float("-inf"), 0.0, top)
+    num = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    den = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for t in range(num_splits):
+        m_t = tl.load(partial_ml_ptr + (first_part + t) * 2, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        w = tl.where(m_t == float("-inf"), 0.0, tl.exp2(m_t - top))
+        l_t = tl.load(partial_ml_ptr + (first_part + t) * 2 + 1, mask=w > 0.0, other=0.0, cache_modifier=".cg")
+        o_t = tl.load(partial_out_ptr + (first_part + t)[:, None] * HEAD_DIM + offs_d[None, :],
+                      mask=(w > 0.0)[:, None], other=0.0, cache_modifier=".cg")
+        num += w[:, None] * o_t
+        den += w * l_t
+    out = tl.where(den[:, None] > 0.0, num / tl.where(den > 0.0, den, 1.0)[:, None], 0.0)
+    tl.store(out_row_ptr + head[:, None] * stride_o_head + offs_d[None, :], out.to(out_row_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
+
+
 def blocksparse_reduce(partial_out: torch.Tensor, partial_ml: torch.Tensor, out: torch.Tensor) -> None:
     """Write ``out`` (R, H, D) from the split partials (see the module docstring). Capture-safe."""
     num_reqs, num_heads, num_splits, head_dim = partial_out.shape

@@ -31,8 +31,8 @@ Algorithm: FlashAttention-2 forward (online softmax in base 2) over a paged KV c
   ``split_kv_reduce`` merges them in a second launch, or (MERGE, given an ``arrivals`` counter per
   request and KV head) the last split to finish merges them in this one: every split counts itself
   in with an acq_rel atomic after its stores, the one that sees NUM_SPLITS - 1 resets the counter
-  and reads the others' rows through L2. NUM_SPLITS comes from :func:`num_kv_splits`, static
-  sizes only.
+  and reads the others' rows through L2 (``split_kv_reduce.merge_splits``). NUM_SPLITS comes from
+  :func:`num_kv_splits` (``split_kv_reduce``), static sizes only.
 
 Layout contract (T tokens, R requests, padded sizes; the launcher checks shapes):
     q:               (T, H, D) fp16/bf16/fp32, ``stride(-1) == 1``; output (T, H, D), q's dtype
@@ -54,15 +54,12 @@ import triton.language as tl
 
 from .. import env
 from . import compile_ahead, pdl
-from .split_kv_reduce import split_kv_reduce
+from .split_kv_reduce import merge_splits, split_kv_reduce
 from .._compat import custom_op
 
 # Read once, at import: the interpreter runs every program in Python, so it gets small tiles.
 INTERPRET = env.triton_interpret()
 LOG2E = 1.4426950408889634
-MAX_SPLITS = 64
-MIN_SPLIT_TOKENS = 64  # never split a sequence into pieces shorter than this (at max_model_len)
-SPLIT_PROGRAMS_PER_SM = 4  # split decode until about this many programs per SM are in flight
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite running-max start: exp2(-inf - _NEG_BIG) = 0, never inf - inf
 
 
@@ -127,32 +124,6 @@ def _attend(acc, l_i, m_i, q, kv_ptr, table_ptr, start, first, seq_len, pos, win
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return acc, l_i, m_new
-
-
-@triton.jit
-def _merge_splits(out_ptr, part_out_ptr, part_lse_ptr, req, tok, head, row_ok, d, num_heads, stride_ot, stride_oh,
-                  NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  HEAD_DIM_PAD: tl.constexpr):
-    """The reduce of ``split_kv_reduce`` over one program's rows, in the same order (max, then the
-    weighted sum split by split). Reads through L2 (``.cg``): the other splits wrote from other SMs."""
-    first = (req * NUM_SPLITS * num_heads + head).to(tl.int64)      # (BLOCK_M,) row of split 0
-    top = tl.load(part_lse_ptr + first, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-    for s in range(1, NUM_SPLITS):
-        top = tl.maximum(top, tl.load(part_lse_ptr + first + s * num_heads, mask=row_ok, other=float("-inf"),
-                                      cache_modifier=".cg"))
-    top = tl.where(top == float("-inf"), 0.0, top)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-    total = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for s in range(NUM_SPLITS):
-        row = first + s * num_heads
-        w = tl.math.exp2(tl.load(part_lse_ptr + row, mask=row_ok, other=float("-inf"), cache_modifier=".cg") - top)
-        part = tl.load(part_out_ptr + row[:, None] * HEAD_DIM_PAD + d[None, :], mask=(w > 0)[:, None], other=0.0,
-                       cache_modifier=".cg")                         # an empty split reads nothing
-        acc += part * w[:, None]
-        total += w
-    merged = acc / tl.where(total > 0, total, 1.0)[:, None]
-    o_ptrs = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-    tl.store(o_ptrs, merged.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (d < HEAD_DIM)[None, :])
 
 
 # The per-bucket counts are runtime values, never specialised on (Triton would compile a variant
@@ -263,7 +234,7 @@ def _paged_attention_kernel(
             arrival = arrivals_ptr + req * num_kv_heads + kv_head
             if tl.atomic_add(arrival, 1, sem="acq_rel") == NUM_SPLITS - 1:   # ... before it counts
                 tl.atomic_xchg(arrival, 0, sem="relaxed")                    # ready for the next launch
-                _merge_splits(out_ptr, part_out_ptr, part_lse_ptr, req, tok, head, row_ok, d,
+                merge_splits(out_ptr, part_out_ptr, part_lse_ptr, req, tok, head, row_ok, d,
                               num_kv_heads * GROUP, stride_ot, stride_oh, NUM_SPLITS, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD)
 
 
@@ -308,21 +279,6 @@ def _cdiv(a: int, b: int) -> int:  # plain Python: torch.compile traces the laun
 
 def _next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
-
-
-def num_kv_splits(num_reqs: int, num_kv_heads: int, max_model_len: int, num_sms: int) -> int:
-    """Splits per sequence of a decode step, enough for ``SPLIT_PROGRAMS_PER_SM`` programs per SM.
-
-    Static inputs only (R is the padded request count, never a ``seq_lens`` value), so a graph
-    replays the split count it was captured with, whatever the lengths of the replayed step."""
-    programs = num_reqs * num_kv_heads
-    by_len = max(1, max_model_len // MIN_SPLIT_TOKENS)
-    return max(1, min(_cdiv(SPLIT_PROGRAMS_PER_SM * num_sms, programs), by_len, MAX_SPLITS))
-
-
-def split_workspace_rows(max_num_seqs: int, num_kv_heads: int, max_model_len: int, num_sms: int) -> int:
-    """Largest R * NUM_SPLITS over R <= max_num_seqs: the rows a persistent workspace needs."""
-    return max(r * num_kv_splits(r, num_kv_heads, max_model_len, num_sms) for r in range(1, max_num_seqs + 1))
 
 
 @custom_op("fullgraph::paged_attention", mutates_args=("part_out", "part_lse", "arrivals"))

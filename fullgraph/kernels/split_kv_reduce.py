@@ -1,4 +1,5 @@
-"""Merge the split-KV partial results of a decode step (the second pass of split-KV attention).
+"""Split-KV decode: how many splits a step takes, and merging their partial results (the second
+pass of split-KV attention, as a launch of its own or inside the attention launch).
 
 Algorithm: split s of request r produced a normalised partial output ``o_s`` and its log2-sum-exp
 ``lse_s`` (``-inf`` for an empty split). The merged row is ``sum_s w_s * o_s / sum_s w_s`` with
@@ -9,6 +10,9 @@ Layout contract (decode step: R == T, token r belongs to request r):
     part_out: flat float32, row ``(r * NUM_SPLITS + s) * H + h`` holds ``next_pow2(D)`` values
     part_lse: flat float32, the same rows, one value each
     out:      (T, H, D), any float dtype, ``stride(-1) == 1``; rows 0 .. R-1 are written.
+
+``merge_splits`` is the same merge over the rows of one attention program, for the attention
+kernel's in-launch merge (``paged_attention``'s MERGE).
 """
 from __future__ import annotations
 
@@ -17,6 +21,53 @@ import triton
 import triton.language as tl
 
 from . import compile_ahead, pdl
+
+MAX_SPLITS = 64
+MIN_SPLIT_TOKENS = 64  # never split a sequence into pieces shorter than this (at max_model_len)
+SPLIT_PROGRAMS_PER_SM = 4  # split decode until about this many programs per SM are in flight
+
+
+def num_kv_splits(num_reqs: int, num_kv_heads: int, max_model_len: int, num_sms: int) -> int:
+    """Splits per sequence of a decode step, enough for ``SPLIT_PROGRAMS_PER_SM`` programs per SM.
+
+    Static inputs only (R is the padded request count, never a ``seq_lens`` value), so a graph
+    replays the split count it was captured with, whatever the lengths of the replayed step."""
+    programs = num_reqs * num_kv_heads
+    by_len = max(1, max_model_len // MIN_SPLIT_TOKENS)
+    return max(1, min(-(-(SPLIT_PROGRAMS_PER_SM * num_sms) // programs), by_len, MAX_SPLITS))
+
+
+def split_workspace_rows(max_num_seqs: int, num_kv_heads: int, max_model_len: int, num_sms: int) -> int:
+    """Largest R * NUM_SPLITS over R <= max_num_seqs: the rows a persistent workspace needs."""
+    return max(r * num_kv_splits(r, num_kv_heads, max_model_len, num_sms) for r in range(1, max_num_seqs + 1))
+
+
+
+@triton.jit
+def merge_splits(out_ptr, part_out_ptr, part_lse_ptr, req, tok, head, row_ok, d, num_heads, stride_ot, stride_oh,
+                  NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  HEAD_DIM_PAD: tl.constexpr):
+    """The reduce of ``split_kv_reduce`` over one program's rows, in the same order (max, then the
+    weighted sum split by split). Reads through L2 (``.cg``): the other splits wrote from other SMs."""
+    first = (req * NUM_SPLITS * num_heads + head).to(tl.int64)      # (BLOCK_M,) row of split 0
+    top = tl.load(part_lse_ptr + first, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+    for s in range(1, NUM_SPLITS):
+        top = tl.maximum(top, tl.load(part_lse_ptr + first + s * num_heads, mask=row_ok, other=float("-inf"),
+                                      cache_modifier=".cg"))
+    top = tl.where(top == float("-inf"), 0.0, top)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    total = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for s in range(NUM_SPLITS):
+        row = first + s * num_heads
+        w = tl.math.exp2(tl.load(part_lse_ptr + row, mask=row_ok, other=float("-inf"), cache_modifier=".cg") - top)
+        part = tl.load(part_out_ptr + row[:, None] * HEAD_DIM_PAD + d[None, :], mask=(w > 0)[:, None], other=0.0,
+                       cache_modifier=".cg")                         # an empty split reads nothing
+        acc += part * w[:, None]
+        total += w
+    merged = acc / tl.where(total > 0, total, 1.0)[:, None]
+    o_ptrs = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+    tl.store(o_ptrs, merged.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (d < HEAD_DIM)[None, :])
+
 
 
 @compile_ahead.kernel
