@@ -6,7 +6,9 @@ A decode step's host stages (``bench host``) cost several times more on the GPU 
 a 2-core CPU VM. This separates the kinds of call they are made of: the Python interpreter alone,
 small numpy operations, the clock, PyTorch's dispatcher on CPU tensors, and (on CUDA) the CUDA
 calls a step makes: an allocation, an asynchronous host-to-device copy, an event record, a tiny
-kernel launch, a graph replay of one kernel, a stream synchronisation. Median microseconds per call
+kernel launch, a graph replay of one kernel, a stream synchronisation; numpy reads and writes of
+pinned memory (the staging area a step is planned into) against pageable memory; and a small
+workload timed right after a synchronisation that waited, against the same workload warm. Median microseconds per call
 over ``--iters`` calls (in batches of 100, so the clock's own cost is spread). Prints a table and,
 given ``--out``, writes JSON; nothing asserts on time.
 """
@@ -74,7 +76,42 @@ def cases() -> dict:
             "cuda: graph.replay() of one kernel": graph.replay,
             "cuda: torch.cuda.synchronize() (idle GPU)": torch.cuda.synchronize,
         })
+        # the staging area a step is planned into is pinned host memory: is it slower for numpy?
+        for label, mem in (("pageable", torch.zeros(16384, dtype=torch.int32)),
+                           ("pinned", torch.zeros(16384, dtype=torch.int32).pin_memory())):
+            a = mem.numpy()
+            out.update({
+                f"numpy: write 64 KB into {label} memory": lambda a=a: a.fill(3),
+                f"numpy: sum 64 KB of {label} memory": lambda a=a: a.sum(),
+                f"numpy: write 64 ints into {label} memory": lambda a=a: a.__setitem__(slice(0, 64), 5),
+                f"numpy: gather 64 ints from {label} memory": lambda a=a: a[rows * 68],
+            })
     return out
+
+
+def after_wait_us(iters: int = 300) -> tuple[float, float]:
+    """The same small host workload (a few hundred Python and numpy operations) timed right after
+    ``torch.cuda.synchronize()`` returned from a ~1 ms wait, and timed warm (the previous run's
+    end): whether a thread that waited for the GPU resumes slowly."""
+    table = np.arange(64 * 68, dtype=np.int32).reshape(64, 68)
+
+    def work():
+        acc = 0
+        for i in range(40):
+            acc += int(table[i, i % 68]) + len({"a": i, "b": acc})
+        return acc
+
+    cold, warm = [], []
+    for _ in range(iters):
+        torch.cuda._sleep(1_500_000)  # about 1 ms of GPU clock cycles
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        work()
+        mid = time.perf_counter()
+        work()
+        cold.append(mid - start)
+        warm.append(time.perf_counter() - mid)
+    return statistics.median(cold) * 1e6, statistics.median(warm) * 1e6
 
 
 def main() -> None:
@@ -89,6 +126,11 @@ def main() -> None:
             torch.cuda.synchronize()
         rows.append({"call": name, "us": us})
         print(f"{name:48s} {us:9.3f} us", flush=True)
+    if torch.cuda.is_available():
+        cold, warm = after_wait_us()
+        for name, us in (("workload right after a 1 ms synchronize()", cold), ("the same workload again", warm)):
+            rows.append({"call": name, "us": us})
+            print(f"{name:48s} {us:9.3f} us", flush=True)
     if args.out:
         info = {"python": platform.python_version(), "numpy": np.__version__, "torch": torch.__version__,
                 "machine": platform.machine(), "processor": platform.processor(),

@@ -210,7 +210,27 @@ class BlockAllocator:
         (cached, or of several owners: only while any page is cached, since only cached pages can be
         shared, so a runner without prefix caching pays nothing for it). ``who(i)`` names chunk i."""
         # Tiny arrays at small batches: each numpy call costs about a microsecond, so this uses few
-        # (np.count_nonzero, not .any(); a subtraction, not np.diff; cached aranges).
+        # (np.count_nonzero, not .any(); a subtraction, not np.diff; cached aranges; Python ints for
+        # a few requests).
+        if plan.num_reqs > _FEW or not self._few_ok(plan):   # the vectorised check, which also names the culprit
+            self._check_all(plan, who)
+        if self.num_cached:
+            self._check_writes(plan, who)
+
+    def _few_ok(self, plan) -> bool:
+        """The checks of ``check`` for a step of a few requests, in Python ints (each numpy call on a
+        one-row array costs as much as the row): True when every request passes."""
+        bs, qsl, owners, written = plan.block_size, plan.query_start_loc.tolist(), self._owners, self.written
+        for r, (seq, row) in enumerate(zip(plan.seq_lens[: plan.num_reqs].tolist(), plan.block_table)):
+            pages = -(-seq // bs)
+            if np.count_nonzero(owners[row[:pages]]) != pages:
+                return False
+            context = seq - (qsl[r + 1] - qsl[r])
+            if context > 0 and written[row[(context - 1) // bs]] <= (context - 1) % bs:
+                return False
+        return True
+
+    def _check_all(self, plan, who) -> None:
         nr, bs = plan.num_reqs, plan.block_size
         seq, qsl = plan.seq_lens[:nr], plan.query_start_loc
         context = seq - (qsl[1: nr + 1] - qsl[:nr])
@@ -229,8 +249,6 @@ class BlockAllocator:
             held = int(last[r] // bs * bs + have[r])
             raise ValueError(f"{who(r)}: start_pos: {int(context[r])} says that many positions are in the cache, but "
                              f"its pages hold {held} written (page {int(last[r] // bs)} has {int(have[r])} of {bs})")
-        if self.num_cached:
-            self._check_writes(plan, who)
 
     def _check_writes(self, plan, who) -> None:
         """No real token's slot lies in a cached page: nor so in a page with several owners, which is
@@ -245,6 +263,9 @@ class BlockAllocator:
             raise ValueError(f"{who(r)}: slot_mapping: token {t} writes position {int(plan.positions[t])} into block "
                              f"{p}, which has {n} owner{'s' * (n != 1)}{' and is cached' * bool(self.cached[p])}: "
                              "a shared page is never written (a request writes only its private pages)")
+
+
+_FEW = 4  # up to this many requests, ``check`` walks them in Python
 
 
 @functools.lru_cache(maxsize=64)
