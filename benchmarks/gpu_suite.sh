@@ -43,10 +43,10 @@ decode-ab)  # the decode rows of issue 31 at an earlier commit (.base) and now, 
         done
     done
     ;;
-fusions)  # what the experimental decoder-layer fusions (FULLGRAPH_FUSE) are worth, beside .base/ and the default,
-    # with the linears' dependents started right after their wait (PDL 1) or after their last tile (late)
-    for variant in "old .base - 1" "default . - 1" "reduce . reduce 1" "default-late . - late" \
-                   "all-late . layer,rope,reduce late"; do
+fusions)  # what the decoder-layer fusions (FULLGRAPH_FUSE) are worth, beside .base/ (its own defaults) and
+    # none, with the linears' dependents started right after their wait (early) or after their last tile (late)
+    for variant in "old .base - 1" "unfused . none early" "default . layer,rope late" "fused-early . layer,rope early" \
+                   "all . layer,rope,reduce late"; do
         [ -n "${NO_BASE:-}" ] && [ "${variant#old }" != "$variant" ] && continue   # NO_BASE=1: the default is the baseline
         set -- $variant
         tag=$1 tree=$2 fuse=${3#-} pdl=$4
@@ -59,7 +59,7 @@ fusions)  # what the experimental decoder-layer fusions (FULLGRAPH_FUSE) are wor
             python3 -m fullgraph.bench decode --preset llama-8b --batch 1 --context 1024 --modes full --steps 30 \
             --loop overlap --out "$OUT/fuse_llama8b_$tag.json")
     done
-    for variant in "old .base -" "default . -" "reduce . reduce"; do   # the block-sparse merge too
+    for variant in "old .base -" "default . layer,rope" "reduce . layer,rope,reduce"; do   # the block-sparse merge too
         [ -n "${NO_BASE:-}" ] && [ "${variant#old }" != "$variant" ] && continue
         set -- $variant
         (cd $2 && FULLGRAPH_FUSE=${3#-} PYTHONPATH=. run "fuse_phi3_$1" 60 python3 -m fullgraph.bench decode \
@@ -68,8 +68,8 @@ fusions)  # what the experimental decoder-layer fusions (FULLGRAPH_FUSE) are wor
     done
     ;;
 reduce-ab)  # the split-KV merge in the attention launch (FULLGRAPH_FUSE=reduce) against the reduce launch
-    for fuse in "" reduce; do
-        tag=${fuse:-default}
+    for fuse in layer,rope layer,rope,reduce; do
+        tag=$([ "$fuse" = layer,rope ] && echo default || echo reduce)
         for preset in smollm2-135m llama-1b; do
             FULLGRAPH_FUSE=$fuse run "fuse_${preset}_$tag" 60 python3 -m fullgraph.bench decode --preset $preset \
                 --batch 1 32 --context 1024 --modes full --steps 30 --loop overlap --out "$OUT/fuse_${preset}_$tag.json"

@@ -13,16 +13,18 @@ variable                          effect                                        
 ``FULLGRAPH_CUDAGRAPH=MODE``      forces ``RunnerConfig.cudagraph`` (none/padded/full) at construction
 ``FULLGRAPH_COMPILE=0|1``         forces ``RunnerConfig.compile``                     at construction
 ``FULLGRAPH_PDL=0``               no programmatic dependent launch                    once
-``FULLGRAPH_PDL=late``            the linears let the kernel behind start only after   once
-                                  their last weight tile, not right after their wait
+``FULLGRAPH_PDL=early``           the linears let the kernel behind start right after  once
+                                  their wait (default ``late``: after their last
+                                  weight tile)
 ``FULLGRAPH_COMPILE_WORKERS=N``   threads compiling Triton kernels ahead (0: off)     at each capture
 ``FULLGRAPH_LINEAR=IMPL``         linears of 2-64 rows: ``auto`` (cuBLAS on CUDA, the       once
                                   default), ``triton`` or ``cublas``
-``FULLGRAPH_FUSE=A,B``            decoder-layer fusions to use (experimental; none by      once
-                                  default, slower on the H200 so far): ``layer`` (RMSNorm
-                                  on load, residual add in the epilogue), ``rope`` (RoPE
-                                  + KV write in the QKV projection), ``reduce`` (the
-                                  split-KV merge in the decode attention launch)
+``FULLGRAPH_FUSE=A,B``            decoder-layer fusions of one-row (batch-1 decode)        once
+                                  steps, default ``layer,rope`` (``none``: off):
+                                  ``layer`` (RMSNorm on load, residual add in the
+                                  epilogue), ``rope`` (RoPE + KV write in the QKV
+                                  projection), ``reduce`` (the split-KV merge in the
+                                  decode attention launch; slower so far, opt-in)
 ================================  ==================================================  ==================
 """
 from __future__ import annotations
@@ -37,6 +39,7 @@ COMPILE_WORKERS = "FULLGRAPH_COMPILE_WORKERS"
 LINEAR = "FULLGRAPH_LINEAR"
 FUSE = "FULLGRAPH_FUSE"
 FUSIONS = ("layer", "rope", "reduce")
+DEFAULT_FUSIONS = "layer,rope"
 
 
 def _flag(name: str) -> bool:
@@ -58,8 +61,12 @@ def pdl_disabled() -> bool:
 
 @functools.cache
 def pdl_late() -> bool:
-    """``FULLGRAPH_PDL=late``: linears start their dependents after their K loop (read once)."""
-    return os.environ.get(PDL, "1") == "late"
+    """Whether linears start their dependents after their K loop (the default, ``late``) rather
+    than right after their wait (``FULLGRAPH_PDL=early``); read once."""
+    value = os.environ.get(PDL, "late")
+    if value not in ("0", "1", "late", "early"):
+        raise ValueError(f"{PDL}={value!r}: expected 0 (off), late (the default), early or 1 (= late)")
+    return value != "early"
 
 
 def cudagraph_override() -> str | None:
@@ -94,8 +101,10 @@ def linear_impl() -> str:
 
 @functools.cache
 def fused() -> frozenset[str]:
-    """``FULLGRAPH_FUSE``: the decoder-layer fusions switched on (read once)."""
-    names = frozenset(n for n in os.environ.get(FUSE, "").split(",") if n)
+    """``FULLGRAPH_FUSE``: the decoder-layer fusions switched on (read once; unset: ``layer,rope``,
+    ``none`` or empty: none)."""
+    value = os.environ.get(FUSE, DEFAULT_FUSIONS)
+    names = frozenset(n for n in value.split(",") if n and n != "none")
     if not names <= set(FUSIONS):
         raise ValueError(f"{FUSE}={os.environ[FUSE]!r}: expected a comma-separated subset of {FUSIONS}")
     return names

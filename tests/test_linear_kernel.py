@@ -13,7 +13,7 @@ import fullgraph.kernels
 from fullgraph.attention import Attention
 from fullgraph.kernels import linear_choice
 from fullgraph.kernels.linear import NO_LIMIT, launch, launch_config, linear
-from fullgraph.models.layers import Linear
+from fullgraph.models.layers import Linear, PreNormDecoderLayer
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -195,6 +195,7 @@ def test_models_on_the_kernel_path_match_the_separate_ops(monkeypatch, preset, r
     monkeypatch.setattr(Linear, "uses_kernel", lambda self, x: seen.append(x.shape[0]) or rows == "all" or x.shape[0] == 1)
     # on the CPU the rotation never fuses (RotaryEmbedding.fusable): say it may, where switched on
     monkeypatch.setattr(Attention, "projection_writes", lambda self, metadata, rope, x: bool(fuse))
+    monkeypatch.setattr(PreNormDecoderLayer, "fuses", lambda self, x: self.fuse and (rows == "all" or x.shape[0] == 1))
     real = fullgraph.kernels.linear_rope_kv_write
     monkeypatch.setattr(fullgraph.kernels, "linear_rope_kv_write", lambda x, *a: fused.append(x.shape[0]) or real(x, *a))
     got = decode_logits()
@@ -215,9 +216,28 @@ def test_the_fused_layer_flow_is_the_same_function_in_float32(monkeypatch):
         return torch.cat([runner.step([fg.SeqChunk([5, 9, 2, 7], 0, ids)]).logits,
                           runner.step([fg.SeqChunk([3], 4, ids)]).logits])
 
+    monkeypatch.setattr(fullgraph.env, "fused", lambda: frozenset())
     want = logits()
     monkeypatch.setattr(fullgraph.env, "fused", lambda: frozenset({"layer"}))
+    flows = []
+    monkeypatch.setattr(PreNormDecoderLayer, "fuses", lambda self, x: flows.append(self.fuse) or self.fuse)
     assert torch.equal(logits(), want)
+    assert flows and all(flows)           # every layer of every step took the fused flow
+
+
+def test_pdl_switch_is_validated(monkeypatch):
+    try:
+        for value, late in (("early", False), ("late", True), ("1", True), ("0", True)):
+            monkeypatch.setenv(fullgraph.env.PDL, value)
+            fullgraph.env.pdl_late.cache_clear()
+            assert fullgraph.env.pdl_late() is late
+        monkeypatch.setenv(fullgraph.env.PDL, "sometimes")
+        fullgraph.env.pdl_late.cache_clear()
+        with pytest.raises(ValueError, match="FULLGRAPH_PDL"):
+            fullgraph.env.pdl_late()
+    finally:
+        monkeypatch.delenv(fullgraph.env.PDL)
+        fullgraph.env.pdl_late.cache_clear()
 
 
 def test_fuse_switch_is_validated(monkeypatch):
@@ -226,9 +246,17 @@ def test_fuse_switch_is_validated(monkeypatch):
     try:
         with pytest.raises(ValueError, match="FULLGRAPH_FUSE"):
             fullgraph.env.fused()
-        monkeypatch.setenv(fullgraph.env.FUSE, "layer,rope")
+        monkeypatch.setenv(fullgraph.env.FUSE, "layer,reduce")
         fullgraph.env.fused.cache_clear()
-        assert fullgraph.env.fused() == {"layer", "rope"}
+        assert fullgraph.env.fused() == {"layer", "reduce"}
+        for value, want in (("none", set()), ("", set())):
+            monkeypatch.setenv(fullgraph.env.FUSE, value)
+            fullgraph.env.fused.cache_clear()
+            assert fullgraph.env.fused() == want
+        monkeypatch.delenv(fullgraph.env.FUSE)
+        fullgraph.env.fused.cache_clear()
+        assert fullgraph.env.fused() == {"layer", "rope"}       # the default: the one-row fusions
     finally:
+        monkeypatch.setenv(fullgraph.env.FUSE, "")
         monkeypatch.delenv(fullgraph.env.FUSE)
         fullgraph.env.fused.cache_clear()

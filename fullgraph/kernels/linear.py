@@ -69,16 +69,23 @@ def store(acc, out_ptr, M, stride_om, pid, rn, n_ok, N, limit, ACT: tl.constexpr
 
 
 @triton.jit
-def _row_tile(w, x_ptr, g_ptr, k0, rk, K, NORM: tl.constexpr):
+def _row_tile(w, g, x_ptr, k0, rk, K, NORM: tl.constexpr):
     """One K tile of one row: (the (BLOCK_N,) partial products with weight tile ``w``, the tile's
-    sum of squares of x). With NORM, x is scaled by the norm weight on load (the 1/rms comes later)."""
-    k_ok = k0 + rk < K
-    x = tl.load(x_ptr + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)
+    sum of squares of x). With NORM, x is scaled by ``g``, the norm weight's tile (the 1/rms comes later)."""
+    x = tl.load(x_ptr + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
     ss = 0.0
     if NORM:
         ss = tl.sum(x * x, axis=0)
-        x = x * tl.load(g_ptr + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)
+        x = x * g
     return tl.sum(w.to(tl.float32) * x[None, :], axis=1), ss
+
+
+@triton.jit
+def _norm_tile(g_ptr, k0, rk, K, NORM: tl.constexpr):
+    """The norm weight's K tile as float32 (a parameter: loadable before the PDL wait); 0 without NORM."""
+    if NORM:
+        return tl.load(g_ptr + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
+    return tl.zeros(rk.shape, tl.float32)
 
 
 @triton.jit
@@ -99,12 +106,14 @@ def _rows_tile(acc, ss, w, x_ptr, g_ptr, stride_xm, M, k0, rk, K, NORM: tl.const
 
 
 @triton.jit
-def product(x_ptr, w_ptr, b_ptr, g_ptr, M, K, eps, stride_xm, rn, n_ok,
-            HAS_BIAS: tl.constexpr, NORM: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr, PDL_LATE: tl.constexpr):
-    """The (BLOCK_M, BLOCK_N) float32 product ``norm(x) @ w[rn].T + b[rn]`` of a program's weight
-    rows ``rn`` (those with ``n_ok``). Waits for the kernel ahead (PDL) after loading its first
-    PREFETCH weight tiles and its bias, which are parameters, and lets the kernel behind start."""
+def product(x_ptr, w_ptr, b_ptr, g_ptr, res_ptr, M, K, eps, stride_xm, stride_rm, rn, n_ok,
+            HAS_BIAS: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, PREFETCH: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+            PDL_LATE: tl.constexpr):
+    """The (BLOCK_M, BLOCK_N) float32 product ``norm(x) @ w[rn].T + b[rn] (+ residual[:, rn])`` of a
+    program's weight rows ``rn`` (those with ``n_ok``). Waits for the kernel ahead (PDL) after
+    loading its first PREFETCH weight tiles, the norm weight's and the bias, which are parameters,
+    and lets the kernel behind start; the residual is loaded right after the wait."""
     rk = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
     w0 = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & (rk < K)[None, :], other=0.0)
@@ -112,18 +121,26 @@ def product(x_ptr, w_ptr, b_ptr, g_ptr, M, K, eps, stride_xm, rn, n_ok,
         w1 = tl.load(w_rows + (BLOCK_K + rk)[None, :], mask=n_ok[:, None] & (BLOCK_K + rk < K)[None, :], other=0.0)
     if HAS_BIAS:
         bias = tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+    if BLOCK_M == 1:  # the norm weight's first tiles are parameters too
+        g0 = _norm_tile(g_ptr, 0, rk, K, NORM)
+        if PREFETCH > 1:
+            g1 = _norm_tile(g_ptr, BLOCK_K, rk, K, NORM)
     pdl.wait(USE_PDL)
     if not PDL_LATE:
         pdl.start_dependents(USE_PDL)
+    if HAS_RES:  # issued now, so its round trip overlaps the K loop instead of following it
+        rm0 = tl.arange(0, BLOCK_M)
+        res = tl.load(res_ptr + rm0[:, None] * stride_rm + rn[None, :], mask=(rm0 < M)[:, None] & n_ok[None, :],
+                      other=0.0)
     if BLOCK_M == 1:
-        acc1, ss = _row_tile(w0, x_ptr, g_ptr, 0, rk, K, NORM)
+        acc1, ss = _row_tile(w0, g0, x_ptr, 0, rk, K, NORM)
         if PREFETCH > 1:
-            part, part_ss = _row_tile(w1, x_ptr, g_ptr, BLOCK_K, rk, K, NORM)
+            part, part_ss = _row_tile(w1, g1, x_ptr, BLOCK_K, rk, K, NORM)
             acc1 += part
             ss += part_ss
         for k0 in range(PREFETCH * BLOCK_K, K, BLOCK_K):
             w = tl.load(w_rows + (k0 + rk)[None, :], mask=n_ok[:, None] & (k0 + rk < K)[None, :], other=0.0)
-            part, part_ss = _row_tile(w, x_ptr, g_ptr, k0, rk, K, NORM)
+            part, part_ss = _row_tile(w, _norm_tile(g_ptr, k0, rk, K, NORM), x_ptr, k0, rk, K, NORM)
             acc1 += part
             ss += part_ss
         if NORM:
@@ -144,6 +161,8 @@ def product(x_ptr, w_ptr, b_ptr, g_ptr, M, K, eps, stride_xm, rn, n_ok,
         pdl.start_dependents(USE_PDL)
     if HAS_BIAS:
         acc += bias[None, :]
+    if HAS_RES:  # the residual stream's new value: this product plus the stream (no activation)
+        acc += res.to(tl.float32)
     return acc
 
 
@@ -159,12 +178,8 @@ def _linear_kernel(
 ):
     pid = tl.program_id(0)
     rn, n_ok = columns(pid, N, ACT, BLOCK_N)
-    acc = product(x_ptr, w_ptr, b_ptr, g_ptr, M, K, eps, stride_xm, rn, n_ok,
-                  HAS_BIAS, NORM, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL, PDL_LATE)
-    if HAS_RES:  # the residual stream's new value: this product plus the stream (no activation)
-        rm = tl.arange(0, BLOCK_M)
-        acc += tl.load(res_ptr + rm[:, None] * stride_rm + rn[None, :], mask=(rm < M)[:, None] & n_ok[None, :],
-                       other=0.0).to(tl.float32)
+    acc = product(x_ptr, w_ptr, b_ptr, g_ptr, res_ptr, M, K, eps, stride_xm, stride_rm, rn, n_ok,
+                  HAS_BIAS, NORM, HAS_RES, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL, PDL_LATE)
     store(acc, out_ptr, M, stride_om, pid, rn, n_ok, N, limit, ACT, BLOCK_M, BLOCK_N)
 
 

@@ -56,8 +56,8 @@ def _linear_rope_kv_kernel(
     j = tl.arange(0, BLOCK_N)
     u = pid * (BLOCK_N // 2) + j // 2                     # this column's pair
     rn = (u // HALF) * (2 * HALF) + u % HALF + (j % 2) * HALF
-    acc = product(x_ptr, w_ptr, b_ptr, g_ptr, M, K, eps, stride_xm, rn, u < NUM_PAIRS,
-                  HAS_BIAS, NORM, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL, PDL_LATE)   # waits (PDL) inside
+    acc = product(x_ptr, w_ptr, b_ptr, g_ptr, x_ptr, M, K, eps, stride_xm, 0, rn, u < NUM_PAIRS,
+                  HAS_BIAS, NORM, False, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL, PDL_LATE)   # waits (PDL) inside
     a, b = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))   # columns i and i + D/2 of a head
     up = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
     pair_ok = up < NUM_PAIRS

@@ -134,18 +134,23 @@ class PreNormDecoderLayer(nn.Module):
     residual)`` and adds before normalising (one fused launch on CUDA), so the next norm (the next
     layer's, or the final one) adds them. ``residual`` None: ``x`` is the whole stream.
 
-    With ``FULLGRAPH_FUSE=layer`` (experimental: on the H200 it has measured slower so far, see
-    benchmarks/HISTORY.md) and the kernel path, the attention and the MLP take ``(x, norm,
+    In a one-row step on the kernel path (batch-1 decode on CUDA; ``fuses``), with the ``layer``
+    fusion on (``FULLGRAPH_FUSE``, on by default), the attention and the MLP take ``(x, norm,
     residual)`` instead: their first projection normalises its input on load and their last adds
     the stream back in its epilogue (``Linear``), so the layer has no norm or add kernels; it then
-    returns ``(stream, None)``."""
+    returns ``(stream, None)``. More rows take cuBLAS, where a separate norm and add would be
+    extra kernels: they keep the fused add + norm launch."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fuse = "layer" in env.fused()  # read once, at construction
 
+    def fuses(self, x: torch.Tensor) -> bool:
+        """Whether this step's layer runs the fused flow: switched on, and ``x`` one row on the kernel path."""
+        return self.fuse and use_kernels(x) and x.dim() == 2 and x.shape[0] == 1
+
     def forward(self, x, residual, positions, rope, kv_cache, metadata) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self.fuse:
+        if self.fuses(x if residual is None else residual):
             h = x if residual is None else x + residual
             h = self.self_attn(h, positions, rope, kv_cache, metadata, norm=self.input_layernorm, residual=h)
             return self.mlp(h, norm=self.post_attention_layernorm, residual=h), None
