@@ -1,8 +1,9 @@
 """What the engine and in-graph sampling add on top of the runner (CUDA): prints a table, writes JSON with --out.
 
-1. Engine decode at batch 1 (llama-1b shape, context ~1024): median time between two tokens of one
-   request through ``fg.Engine`` (overlapped loop, greedy), against the runner's own overlapped
-   decode step (``bench.time_decode_overlapped``) in the same process.
+1. Engine decode at batch 1 and 64 (llama-1b shape, context ~1024): median time between two
+   token-producing steps through ``fg.Engine`` once every request decodes (overlapped loop,
+   greedy), against the runner's own overlapped decode step (``bench.time_decode_overlapped``) at
+   the same batch in the same process.
 2. Sampling inside the graph at batch 32: graph replay time of a sampling runner (top-p 0.9,
    temperature 1; and greedy) against a runner returning logits.
 """
@@ -20,23 +21,32 @@ from fullgraph.bench import _table, replay_ms, time_decode_overlapped
 from fullgraph.models import presets
 
 
-def engine_rows(model, context: int, tokens: int) -> list[dict]:
-    runner = fg.FullGraphRunner(model, sampling=True, max_num_seqs=1, max_num_tokens=256, max_model_len=2048,
-                                capture_sizes=(1, 256))
+def engine_rows(model, context: int, tokens: int, batch: int = 1) -> list[dict]:
+    """``batch`` requests of ``context`` prompt tokens added at once, each generating ``tokens``
+    (greedy): the median time between two engine steps that produce tokens once every request
+    decodes (the last half of the run), against the runner's overlapped decode step at that batch."""
+    runner = fg.FullGraphRunner(model, sampling=True, max_num_seqs=batch, max_num_tokens=2048, max_model_len=2048)
     runner.warmup()
     engine = fg.Engine(runner)
-    engine.add_request("a", torch.randint(0, 1000, (context,)).tolist(),
-                       fg.SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
+    for r in range(batch):
+        engine.add_request(f"r{r}", torch.randint(0, min(1000, runner.vocab_size), (context,)).tolist(),
+                           fg.SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
     stamps = []
     while engine.has_unfinished():
         if engine.step():
             stamps.append(time.perf_counter())
-    gaps = [b - a for a, b in zip(stamps[10:], stamps[11:])]
-    base = fg.FullGraphRunner(model, max_num_seqs=1, max_num_tokens=16, max_model_len=2048, capture_sizes=(1,))
+    steady = stamps[-(tokens // 2):]
+    gaps = [b - a for a, b in zip(steady, steady[1:])]
+    del engine, runner
+    torch.cuda.empty_cache()
+    base = fg.FullGraphRunner(model, max_num_seqs=batch, max_num_tokens=max(16, batch), max_model_len=2048,
+                              capture_sizes=(batch,))
     base.warmup()
-    runner_ms = statistics.median(time_decode_overlapped(base, 1, context, tokens, 10)) * 1e3
+    runner_ms = statistics.median(time_decode_overlapped(base, batch, context, tokens, 10)) * 1e3
     engine_ms = statistics.median(gaps) * 1e3
-    return [{"what": "engine decode, batch 1 (per token)", "ms": engine_ms, "vs": runner_ms,
+    del base
+    torch.cuda.empty_cache()
+    return [{"what": f"engine decode, batch {batch} (per step)", "ms": engine_ms, "vs": runner_ms,
              "overhead_pct": 100 * (engine_ms / runner_ms - 1)}]
 
 
@@ -65,10 +75,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", default="llama-1b")
     parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 64], help="engine decode batch sizes")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     model = presets.build(args.preset, dtype=torch.bfloat16, device="cuda")
-    rows = engine_rows(model, args.context, 200) + sampling_rows(model, 32, args.context)
+    rows = [row for batch in args.batch for row in engine_rows(model, args.context, 200, batch)]
+    rows += sampling_rows(model, 32, args.context)
     _table(rows, ["what", "ms", "vs", "overhead_pct"])
     if args.out:
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, open(args.out, "w"),
