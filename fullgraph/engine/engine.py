@@ -30,6 +30,9 @@ from .scheduler import Request, Scheduler
 from .text import RequestText, tokenizer_token_bytes
 
 
+_ONE = (0,)  # the one token of a chunk whose id the graph reads from the previous step's sample
+
+
 class _Fetch:
     """Device-to-host copies of a step's outputs that wait for nothing queued after them: two
     pinned sets of buffers with an event each, used in turn."""
@@ -219,17 +222,16 @@ class Engine:
         slots = self.scheduler.schedule(prev)
         if not slots:
             return None
-        chunks, prev_rows, values = [], [], {k: [] for k in ("temperature", "top_k", "top_p", "min_p", "seed",
-                                                             "sample_offset")}
-        for slot in slots:
-            r, p = slot.request, slot.request.params
-            ids = [0] if slot.prev_row >= 0 else r.tokens(slot.start, slot.start + slot.count)
-            chunks.append(SeqChunk(ids, slot.start, r.blocks, request_id=r.request_id))
-            prev_rows += [-1] * (slot.count - 1) + [slot.prev_row]
-            for name, value in (("temperature", p.temperature), ("top_k", p.top_k), ("top_p", p.top_p),
-                                ("min_p", p.min_p), ("seed", r.seed), ("sample_offset", len(r.outputs) + r.pending)):
-                values[name].append(value)
-        values["prev_token_row"] = prev_rows
+        # one comprehension per list (a step of 64 decodes builds 64 chunks and 7 x 64 values)
+        chunks = [SeqChunk(_ONE if s.prev_row >= 0 else s.request.tokens(s.start, s.start + s.count), s.start,
+                           s.request.blocks, s.request.request_id) for s in slots]
+        values = dict(zip(("temperature", "top_k", "top_p", "min_p", "seed"),
+                          map(list, zip(*(s.request.sampling for s in slots)))))
+        values["sample_offset"] = [len(s.request.outputs) + s.request.pending for s in slots]
+        if all(s.count == 1 for s in slots):
+            values["prev_token_row"] = [s.prev_row for s in slots]
+        else:
+            values["prev_token_row"] = [row for s in slots for row in (*([-1] * (s.count - 1)), s.prev_row)]
         if self.runner.config.structured:
             self._masks(slots, values)
         out = self.runner.step(chunks, values=values)
@@ -313,5 +315,5 @@ class Engine:
                                       request.finish_reason, request.stop_reason,
                                       list(request.logprobs) if request.logprobs is not None else None, delta,
                                       delta_ids)
-        return RequestOutput(request.request_id, request.prompt, list(request.prompt_ids), [completion],
+        return RequestOutput(request.request_id, request.prompt, request.prompt_out, [completion],
                              request.finished, request.metrics, request.metrics.num_cached_tokens)

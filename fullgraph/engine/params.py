@@ -114,7 +114,7 @@ class RequestMetrics:
 class RequestOutput:
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]       # one list per request, shared by its outputs (not the engine's own)
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics

@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ..kv_cache import BlockAllocator
 from .pages import PrefixCache
@@ -51,6 +52,13 @@ class Request:
     page_hashes: list[bytes] = field(default_factory=list)  # prefix cache: chained hashes of its full known pages
     num_registered: int = 0           # leading pages the prefix cache has dealt with (taken from it, or sealed)
     num_sealable: int = 0             # full pages of the tokens known at admission: those it may seal
+    sampling: tuple = ()              # (temperature, top_k, top_p, min_p, seed): its rows of every step's fields
+    prompt_out: list[int] = field(default_factory=list)   # the prompt ids its outputs show (a copy made once)
+
+    def __post_init__(self) -> None:
+        p = self.params
+        self.sampling = (p.temperature, p.top_k, p.top_p, p.min_p, self.seed)
+        self.prompt_out = list(self.prompt_ids)
 
     @property
     def length(self) -> int:
@@ -69,11 +77,11 @@ class Request:
         return seq[start:end]
 
 
-@dataclass(frozen=True)
-class Slot:
+class Slot(NamedTuple):
     """One chunk of the next step: ``request``'s tokens at positions ``start .. start + count - 1``.
     ``prev_row``: the last of them is the previous step's sample of that row (else -1).
-    ``samples``: the step's sample of this chunk is the request's next output."""
+    ``samples``: the step's sample of this chunk is the request's next output. (A named tuple: a
+    step makes one per running request, and a frozen dataclass costs twice as much to build.)"""
 
     request: Request
     start: int
@@ -133,16 +141,23 @@ class Scheduler:
     def schedule(self, prev_rows: dict[int, int]) -> list[Slot]:
         """The next step's chunks. ``prev_rows``: id(request) -> its row in the step still in flight
         (requests whose newest token is that step's sample)."""
-        slots, budget = [], self.max_num_tokens
-        for request in sorted(self.running, key=lambda r: r.order):  # decodes first, oldest first
-            if request not in self.running or request.computed < request.length - 1 or request.length >= request.max_len:
+        slots, budget, bs, preempted = [], self.max_num_tokens, self.block_size, set()
+        # decodes first, oldest first: ``running`` is in admission order (admitted requests are
+        # appended, with a growing ``order``), so no sort is needed
+        for request in list(self.running):
+            length = len(request.prompt_ids) + len(request.outputs) + request.pending
+            if request.computed < length - 1 or length >= request.max_len or id(request) in preempted:
                 continue
             if request.matcher is not None and request.pending:
                 continue  # its next mask needs the token still on the device: it runs every other step
-            while not self._ensure_pages(request, request.length) and self._preempt_latest() is not request:
-                pass
-            if request not in self.running:
-                continue
+            if -(-length // bs) > len(request.blocks):  # a page to take (rarely: once every block_size steps)
+                while not self._ensure_pages(request, length):
+                    victim = self._preempt_latest()
+                    preempted.add(id(victim))
+                    if victim is request:
+                        break
+                if id(request) in preempted:
+                    continue
             slots.append(Slot(request, request.computed, 1, prev_rows.get(id(request), -1), True))
             budget -= 1
         for request in [r for r in self.running if r.computed < r.length - 1]:  # unfinished prefills
