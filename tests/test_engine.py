@@ -61,6 +61,24 @@ def test_seeded_requests_reproduce_across_batch_compositions_and_buckets(llm):
     assert unseeded[0] != unseeded[1]  # drawn from the engine's generator: a new stream each time
 
 
+def test_a_caller_editing_an_outputs_prompt_ids_changes_nothing_the_engine_computes(reference):
+    """Outputs share one copy of the prompt ids per request, never the engine's own list: a
+    preempted request recomputes its prompt from the engine's list, so editing what an output
+    shows must not change a token."""
+    small = make_llm(num_blocks=11)
+    engine, finals = small.engine, {}
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, GREEDY)
+    while engine.has_unfinished():
+        for out in engine.step():
+            out.prompt_token_ids[:] = [0] * len(out.prompt_token_ids)   # a careless caller
+            finals[out.request_id] = out
+        for request in engine.scheduler.running:   # what a recompute after preemption would read
+            assert request.prompt_ids == PROMPTS[int(request.request_id)]
+    assert [finals[str(i)].outputs[0].token_ids for i in range(len(PROMPTS))] == reference
+    assert sum(o.metrics.num_preemptions for o in finals.values()) > 0
+
+
 def test_preemption_by_a_tiny_page_pool_keeps_greedy_output(reference):
     small = make_llm(num_blocks=11)  # 10 pages; at their ends the four requests need 2 + 4 + 1 + 9
     outs = small.generate(PROMPTS, GREEDY)
