@@ -19,12 +19,12 @@ variable                          effect                                        
 ``FULLGRAPH_COMPILE_WORKERS=N``   threads compiling Triton kernels ahead (0: off)     at each capture
 ``FULLGRAPH_LINEAR=IMPL``         linears of 2-64 rows: ``auto`` (cuBLAS on CUDA, the       once
                                   default), ``triton`` or ``cublas``
-``FULLGRAPH_FUSE=A,B``            decoder-layer fusions of one-row (batch-1 decode)        once
-                                  steps, default ``layer,rope`` (``none``: off):
+``FULLGRAPH_FUSE=A,B``            decoder-layer fusions, default ``layer,rope``             once
+                                  (``none``: off). In one-row (batch-1 decode) steps:
                                   ``layer`` (RMSNorm on load, residual add in the
                                   epilogue), ``rope`` (RoPE + KV write in the QKV
-                                  projection), ``reduce`` (the split-KV merge in the
-                                  decode attention launch; slower so far, opt-in)
+                                  projection); in decode steps: ``reduce`` (the split-KV
+                                  merge in the attention launch; slower so far, opt-in)
 ================================  ==================================================  ==================
 """
 from __future__ import annotations
