@@ -16,6 +16,7 @@ import torch
 
 from .config import RunnerConfig
 from .fields import FieldTable, StepPlan
+from .layout import Staging
 
 _TORCH = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
           np.dtype(np.float32): torch.float32, np.dtype(np.float64): torch.float64}
@@ -53,7 +54,7 @@ class StaticBuffers:
         self._host = torch.zeros(nbytes, dtype=torch.uint8).pin_memory() if on_cuda else self._dev
         host = self._host.numpy()
         self.tensors = {name: self._dev[b].view(_TORCH[dt]).view(shape) for name, (b, shape, dt) in layout.items()}
-        self._staging = {name: host[b].view(dt).reshape(shape) for name, (b, shape, dt) in layout.items()}
+        self._staging = Staging({name: host[b].view(dt).reshape(shape) for name, (b, shape, dt) in layout.items()})
         # "host" fields (big, written by their owner only when it has values) live apart, and are
         # uploaded only in the steps that wrote them (``upload(side=...)``), never every step
         self._side_host: dict[str, torch.Tensor] = {}

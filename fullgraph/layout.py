@@ -40,7 +40,7 @@ def layout(inputs: StepInputs, config: RunnerConfig, target: Target, t_pad: int,
     A decode step (``inputs.q_lens`` None) is a branch here, not a layout of its own."""
     q_lens, starts, ends, tokens, blocks, n_blocks, max_seq_len, table = inputs
     nr, nt, bs = len(starts), len(tokens), config.block_size
-    arrays = _views(target.arrays(t_pad, r_pad, config), target.fields, t_pad, r_pad, keep=target.out is not None)
+    arrays = _views(target.arrays(t_pad, r_pad, config), target.fields, t_pad, r_pad)
     input_ids, positions, slots = arrays["input_ids"], arrays["positions"], arrays["slot_mapping"]
     qsl, ssl, seq_lens = arrays["query_start_loc"], arrays["seq_start_loc"], arrays["seq_lens"]
     block_table, logits_indices = arrays["block_table"], arrays["logits_indices"]
@@ -95,26 +95,28 @@ def _block_rows(block_table: np.ndarray, blocks: np.ndarray, n_blocks: np.ndarra
         block_table[np.arange(block_table.shape[1]) < n_blocks[:, None]] = blocks
 
 
-_VIEWS: dict[tuple[int, int, int, int], tuple] = {}   # (id(out), id(fields), T, R) -> (out, fields, views)
+class Staging(dict):
+    """A runner's staging arrays (field name -> max-size array), which keep the views ``layout``
+    cuts from them: the same arrays every step, so each bucket's views are made once (a slice per
+    field costs ~5 us a step), and they go when the runner goes."""
+
+    def __init__(self, arrays: Mapping[str, np.ndarray]) -> None:
+        super().__init__(arrays)
+        self.views: dict[tuple[int, int, int], tuple[FieldTable, dict[str, np.ndarray]]] = {}
 
 
-def _views(out: Mapping[str, np.ndarray], fields: FieldTable, t_pad: int, r_pad: int,
-           keep: bool) -> dict[str, np.ndarray]:
-    """Each field's array sized to the padded step (views of ``out``, which may be larger). With
-    ``keep`` (``out`` is a runner's staging area, the same every step) the views are made once per
-    bucket (a slice per field costs ~5 us a step) and shared by that bucket's plans, whose arrays
-    are the staging area's anyway (the next step rewrites them); the entry holds ``out`` and
-    ``fields``, so their ids stay theirs."""
-    key = (id(out), id(fields), t_pad, r_pad)
-    hit = _VIEWS.get(key) if keep else None
-    if hit is not None and hit[0] is out and hit[1] is fields:
-        return hit[2]
+def _views(out: Mapping[str, np.ndarray], fields: FieldTable, t_pad: int, r_pad: int) -> dict[str, np.ndarray]:
+    """Each field's array sized to the padded step (views of ``out``, which may be larger). A
+    ``Staging`` area keeps them per bucket, shared by that bucket's plans, whose arrays are the
+    staging area's anyway (the next step rewrites them)."""
+    cache = out.views if isinstance(out, Staging) else None
+    if cache is not None:
+        hit = cache.get((id(fields), t_pad, r_pad))
+        if hit is not None and hit[0] is fields:
+            return hit[1]
     views = {name: out[name][: f.real_rows(t_pad, r_pad)] for name, f in fields.items()}
-    if not keep:
-        return views
-    if len(_VIEWS) >= 1024:   # runners come and go (tests): forget them all now and then
-        _VIEWS.clear()
-    _VIEWS[key] = (out, fields, views)
+    if cache is not None:
+        cache[(id(fields), t_pad, r_pad)] = (fields, views)   # the entry holds fields: its id stays its own
     return views
 
 
