@@ -28,7 +28,10 @@ Algorithm: rows are split into C chunks; passes of (R, C) programs, then one of 
    per-position counts and masses over the list (the threshold's position, < REFINE_BUCKETS past
    b_hi, is then searched in registers). Failing that (a bucket of > CAND_BLOCK tokens, e.g. a huge
    tie) an exact slow path re-reads the row at every search step.
-Only float summation order differs from the reference, so results can differ only where a mass
+The row passes keep per-lane accumulators (running max and argmax, masses, the Gumbel winner) across
+their loop steps and reduce them once at the end: a program's loop is a chain of dependent steps,
+and each block-wide reduction in it is a barrier. Only float summation order differs from the
+reference, so results can differ only where a mass
 sits within rounding of ``top_p * Z_k`` or two scores tie to the last bit. Capture-safe: grids and
 workspaces come from shapes, every decision is made on the device.
 
@@ -53,7 +56,7 @@ import triton
 import triton.language as tl
 
 from . import compile_ahead, pdl
-from .sampling_common import (BLOCK, BUCKETS_PER_NAT, CAND_BLOCK, CAND_SMALL, LIST_BLOCK, NEG_INF,
+from .sampling_common import (BLOCK, BUCKETS_PER_NAT, CAND_BLOCK, CAND_SMALL, INT_MAX, LIST_BLOCK, NEG_INF,
                               NUM_BUCKETS, REFINE_ABOVE, REFINE_BUCKETS, _bucket, _min_p_bucket,
                               _noise_block, _position, _row_max, _row_sum, _scaled, _zones)
 
@@ -73,17 +76,19 @@ def _max_kernel(
     if c == 0:                                       # the histogram's atomics and the arrival count
         tl.store(hist_ptr + row * NB + tl.arange(0, NB), tl.zeros([NB], tl.int32))
         tl.store(zones_ptr + row * 8 + 7, 0)
-    best = tl.full([], NEG_INF, tl.float32)
-    arg = c * chunk
+    # per lane: the running max and its first index (a lane's ids grow, so ">" keeps the lowest);
+    # one reduction after the loop, not two a step
+    best = tl.full([BLOCK], NEG_INF, tl.float32)
+    arg = tl.zeros([BLOCK], tl.int32) + c * chunk
     for off in range(0, chunk, BLOCK):
         idx = c * chunk + off + tl.arange(0, BLOCK)
         x = tl.load(logits_ptr + row * stride_l + idx, mask=idx < vocab, other=NEG_INF).to(tl.float32)
         x = tl.where(x == x, x, NEG_INF)
-        m = tl.max(x, 0)
-        arg = tl.where(m > best, c * chunk + off + tl.argmax(x, 0, tie_break_left=True), arg)
-        best = tl.maximum(best, m)
-    tl.store(part_f_ptr + (row * num_chunks + c) * 4, best)
-    tl.store(part_i_ptr + (row * num_chunks + c) * 3, arg)
+        arg = tl.where(x > best, idx, arg)
+        best = tl.maximum(best, x)
+    m = tl.max(best, 0)
+    tl.store(part_f_ptr + (row * num_chunks + c) * 4, m)
+    tl.store(part_i_ptr + (row * num_chunks + c) * 3, tl.min(tl.where(best == m, arg, INT_MAX), 0))
 
 
 @triton.jit
@@ -138,21 +143,21 @@ def _hist_kernel(
         b_hi1, b_lo1, sub = tl.load(zrow), tl.load(zrow + 1), tl.load(zrow + 2)
         go = go & (sub > 0)
     if go:
-        acc = tl.zeros([], tl.float32)              # Z (level 1), exact mass above the zone (level 2)
+        acc = tl.zeros([BLOCK], tl.float32)         # Z (level 1), exact mass above the zone (level 2), per lane
         hist = tl.zeros([NB], tl.int32)
         for off in range(0, chunk, BLOCK):
             s = _scaled(logits_ptr + row * stride_l, c * chunk + off + tl.arange(0, BLOCK), vocab, inv_t)
             e = tl.exp(s - s_max)
             if LEVEL == 1:
-                acc += tl.sum(e, 0)
+                acc += e
                 pos = _bucket(s, s_max, NB, BPN)
             else:
                 pos = _position(s, s_max, b_hi1, b_lo1, sub, NB, BPN)
-                acc += tl.sum(tl.where(pos < 0, e, 0.0), 0)
+                acc += tl.where(pos < 0, e, 0.0)
                 pos = tl.where((pos >= 0) & (pos < NB - 1), pos, NB - 1)
             hist += tl.histogram(pos, NB)
         tl.atomic_add(hist_ptr + row * NB + tl.arange(0, NB), hist, mask=hist > 0, sem="relaxed")
-        tl.store(part_f_ptr + (row * num_chunks + c) * 4 + LEVEL, acc)
+        tl.store(part_f_ptr + (row * num_chunks + c) * 4 + LEVEL, tl.sum(acc, 0))
         if tl.atomic_add(zrow + 7, 1) == num_chunks - 1:          # acq_rel: the others' counts are in
             _level_zones(hist_ptr + row * NB, zrow, part_f_ptr, row, num_chunks, top_k, top_p,
                          tl.load(min_p_ptr + row), vocab, refine_above, LEVEL, NB, BPN, C_PAD)
@@ -182,9 +187,11 @@ def _compact_kernel(
         if ((top_k > 0) & (top_k < vocab)) | (top_p < 1.0):
             b_hi1, b_lo1, sub = tl.load(zrow), tl.load(zrow + 1), tl.load(zrow + 2)
             b_hi, b_lo = tl.load(zrow + 3), tl.load(zrow + 4)
-        mass_hi = tl.zeros([], tl.float32)
-        best = tl.full([], NEG_INF, tl.float32)
-        best_id = c * chunk
+        # per lane: the surely-kept mass and the running Gumbel winner (a lane's ids grow, so ">"
+        # keeps the lowest on a tie); reduced once after the loop, not a few times a step
+        mass_hi = tl.zeros([BLOCK], tl.float32)
+        best = tl.full([BLOCK], NEG_INF, tl.float32)
+        best_id = tl.zeros([BLOCK], tl.int32) + c * chunk
         n = 0
         for off in range(0, chunk, BLOCK):
             start = c * chunk + off
@@ -192,22 +199,20 @@ def _compact_kernel(
             s = _scaled(logits_ptr + row * stride_l, idx, vocab, inv_t)
             pos = _position(s, s_max, b_hi1, b_lo1, sub, NB, BPN)
             e = tl.exp(s - s_max)
-            mass_hi += tl.sum(tl.where(pos < b_hi, e, 0.0), 0)
+            mass_hi += tl.where(pos < b_hi, e, 0.0)
             keep = (pos < b_hi) & (pos <= b_lo) & (s > NEG_INF) & (e >= min_p)
             if tl.max(keep.to(tl.int32), 0) > 0:
                 score = tl.where(keep, s + _noise_block(start, seed, offset, BLOCK), NEG_INF)
-                m = tl.max(score, 0)
-                best_id = tl.where(m > best, start + tl.argmax(score, 0, tie_break_left=True), best_id)
-                best = tl.maximum(best, m)
+                best_id = tl.where(score > best, idx, best_id)
+                best = tl.maximum(best, score)
             mid = (pos >= b_hi) & (pos <= b_lo) & (s > NEG_INF)
-            n_blk = tl.sum(mid.to(tl.int32), 0)
-            if n_blk > 0:
-                dst = n + tl.cumsum(mid.to(tl.int32), 0) - 1
-                tl.store(cand_ptr + (row * num_chunks + c) * seg_cap + dst, idx, mask=mid & (dst < seg_cap))
-                n += n_blk
-        tl.store(part_f_ptr + (row * num_chunks + c) * 4 + 2, mass_hi)
-        tl.store(part_f_ptr + (row * num_chunks + c) * 4 + 3, best)
-        tl.store(part_i_ptr + (row * num_chunks + c) * 3 + 1, best_id)
+            dst = n + tl.cumsum(mid.to(tl.int32), 0) - 1
+            tl.store(cand_ptr + (row * num_chunks + c) * seg_cap + dst, idx, mask=mid & (dst < seg_cap))
+            n = tl.max(tl.where(mid, dst, n - 1), 0) + 1        # the last slot written, + 1 (n if none)
+        m = tl.max(best, 0)
+        tl.store(part_f_ptr + (row * num_chunks + c) * 4 + 2, tl.sum(mass_hi, 0))
+        tl.store(part_f_ptr + (row * num_chunks + c) * 4 + 3, m)
+        tl.store(part_i_ptr + (row * num_chunks + c) * 3 + 1, tl.min(tl.where(best == m, best_id, INT_MAX), 0))
         tl.store(part_i_ptr + (row * num_chunks + c) * 3 + 2, n)
 
 
