@@ -114,6 +114,12 @@ serve)
         --output-len 128 --max-num-seqs 64 --max-num-tokens 2048 --peer-hf --out "$OUT/serve_llama1b.json"
     run serve_phi3 200 python3 -m fullgraph.bench serve --preset phi3-small-8k --requests 256 --input-len 512 \
         --output-len 128 --max-num-seqs 64 --max-num-tokens 2048 --out "$OUT/serve_phi3.json"
+    # the same requests arriving at a Poisson rate (requests/s) near what each model sustains
+    run serve_llama1b_poisson 120 python3 -m fullgraph.bench serve --preset llama-1b --requests 256 --input-len 512 \
+        --output-len 128 --max-num-seqs 64 --max-num-tokens 2048 --rate 150 --out "$OUT/serve_llama1b_poisson.json"
+    run serve_phi3_poisson 150 python3 -m fullgraph.bench serve --preset phi3-small-8k --requests 256 \
+        --input-len 512 --output-len 128 --max-num-seqs 64 --max-num-tokens 2048 --rate 25 \
+        --out "$OUT/serve_phi3_poisson.json"
     ;;
 engine)
     run engine_overhead 150 python3 benchmarks/engine_overhead.py --out "$OUT/engine_overhead.json"
