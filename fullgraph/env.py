@@ -20,7 +20,7 @@ variable                          effect                                        
 ``FULLGRAPH_LINEAR=IMPL``         linears of 2-64 rows: ``auto`` (cuBLAS on CUDA, the       once
                                   default), ``triton`` or ``cublas``
 ``FULLGRAPH_FUSE=A,B``            decoder-layer fusions, default ``layer,rope``             once
-                                  (``none``: off). In one-row (batch-1 decode) steps:
+                                  (``none``: off). In one-row bf16/fp16 CUDA steps:
                                   ``layer`` (RMSNorm on load, residual add in the
                                   epilogue), ``rope`` (RoPE + KV write in the QKV
                                   projection); in decode steps: ``reduce`` (the split-KV

@@ -48,12 +48,12 @@ class Attention(nn.Module):
         """Whether the projection that makes q, k and v from ``x`` may rotate them and write k and v
         into the cache itself (one kernel: ``kernels.linear_rope_kv_write``): switched on
         (``FULLGRAPH_FUSE=rope``, the default), the backend writes with our kernel, reads the new
-        keys from the cache, the rotation fuses for ``x``, and ``x`` is one row (batch-1 decode:
-        more rows take cuBLAS and the separate rotation and write).
+        keys from the cache, and the rotation fuses for ``x``. Models ask only when their QKV
+        projection takes the kernel path (``Linear.uses_kernel``: one row, batch-1 decode).
         The layer is then called with ``written=True``."""
         backend = metadata.backends[self.kind]
         return (rope is not None and backend.kv_writer.impl == "kernel" and not backend.reads_new_kv
-                and rope.fusable(x) and x.shape[0] == 1 and self.fuse_rope)
+                and rope.fusable(x) and self.fuse_rope)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, *, rope: Rotary | None = None,

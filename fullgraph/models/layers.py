@@ -29,6 +29,13 @@ def use_kernels(x: torch.Tensor) -> bool:
     return kernels is not None and x.is_cuda
 
 
+def one_row_kernel_path(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a one-row half-precision activation on CUDA: the steps (batch-1 decode)
+    whose projections run ``kernels.linear`` (``Linear.uses_kernel``) and whose layers fuse."""
+    return (use_kernels(x) and x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1
+            and x.dtype in (torch.bfloat16, torch.float16))
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` that can normalise its input first and add a residual after: ``forward(x, norm,
     residual)`` is ``F.linear(norm(x)) + residual``, the shape of every projection in a pre-norm
@@ -45,9 +52,7 @@ class Linear(nn.Linear):
     """
 
     def uses_kernel(self, x: torch.Tensor) -> bool:
-        w = self.weight
-        return (kernels is not None and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1
-                and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype and w.is_contiguous())
+        return one_row_kernel_path(x) and self.weight.dtype == x.dtype and self.weight.is_contiguous()
 
     def forward(self, x: torch.Tensor, norm: nn.Module | None = None, residual: torch.Tensor | None = None,
                 activation: str = "none", limit: float | None = None) -> torch.Tensor:
@@ -146,8 +151,10 @@ class PreNormDecoderLayer(nn.Module):
         self.fuse = "layer" in env.fused()  # read once, at construction
 
     def fuses(self, x: torch.Tensor) -> bool:
-        """Whether this step's layer runs the fused flow: switched on, and ``x`` one row on the kernel path."""
-        return self.fuse and use_kernels(x) and x.dim() == 2 and x.shape[0] == 1
+        """Whether this step's layer runs the fused flow: switched on, and ``x`` one row on the kernel
+        path (its projections' rule: elsewhere the fused flow would run its norms and adds as
+        kernels of their own)."""
+        return self.fuse and one_row_kernel_path(x)
 
     def forward(self, x, residual, positions, rope, kv_cache, metadata) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.fuses(x if residual is None else residual):
