@@ -6,7 +6,8 @@ GPU script: prints a table, writes JSON only with ``--out``, never asserts on ti
 and batches of 1/32/64 it times ``fullgraph.sampling.sample`` (the Triton kernel),
 ``sample_reference`` (plain PyTorch with a full sort) and a bare ``argmax`` as the floor, each as a
 CUDA graph of back-to-back calls on fresh logits per call (so every call reads HBM, as a step's
-sampler does). Settings: greedy, top-p 0.9, top-k 50 + top-p 0.95, min-p 0.1 (temperature 1).
+sampler does). Settings: greedy, temperature 1 alone, top-p 0.9 and 0.5, top-k 50 + top-p 0.95, min-p 0.1
+(temperature 1).
 Logits: "peaked" (bf16-rounded, a Gaussian bulk of std 2.5 and 20 dominant tokens, like a
 language model's) and "flat" (std-1 Gaussian: top-p keeps most of the vocabulary, the hard case).
 ``--zones`` prints how many undecided tokens reach the select pass, ``--passes`` times each kernel
@@ -25,7 +26,8 @@ from fullgraph.sampling import sample, sample_reference
 VOCAB = 128_256
 BATCHES = (1, 32, 64)
 SETTINGS = {  # name: (temperature, top_k, top_p, min_p)
-    "greedy": (0.0, 0, 1.0, 0.0), "top_p=0.9": (1.0, 0, 0.9, 0.0),
+    "greedy": (0.0, 0, 1.0, 0.0), "temperature=1": (1.0, 0, 1.0, 0.0), "top_p=0.9": (1.0, 0, 0.9, 0.0),
+    "top_p=0.5": (1.0, 0, 0.5, 0.0),
     "top_k=50,top_p=0.95": (1.0, 50, 0.95, 0.0), "min_p=0.1": (1.0, 0, 1.0, 0.1),
 }
 COPIES = 8  # logits buffers cycled through (>= 32 MB at batch 64: beyond what L2 keeps)
@@ -77,13 +79,15 @@ def print_zones(gen: torch.Generator, batch: int = 64) -> None:
             ws: dict = {}
             kernel.launch(x, *params(batch, setting), workspace=ws)
             n = ws["part_i"][..., 2].sum(-1).float().cpu() if setting[0] > 0 else torch.zeros(batch)
+            state = ws["zones"][:, 8].cpu()
             print(f"zones {kind:7s} {name:22s} undecided median {n.median():7.0f} max {n.max():7.0f} "
-                  f"rows over {kernel.CAND_BLOCK}: {int((n > kernel.CAND_BLOCK).sum())}/{batch}")
+                  f"rows over {kernel.CAND_BLOCK}: {int((n > kernel.CAND_BLOCK).sum())}/{batch}; chain rows "
+                  f"decided {int((state == 1).sum())}, fallen back {int((state == 2).sum())}")
 
 
 def print_passes(gen: torch.Generator, batch: int = 32) -> None:
     """Microseconds of each of the kernel's launches, replayed alone as a CUDA graph."""
-    names = ("_max_kernel", "_hist_kernel", "_compact_kernel", "_select_kernel")
+    names = ("_scan_kernel", "_hist_kernel", "_compact_kernel", "_select_kernel")
     for kind in ("peaked", "flat"):
         x = make_logits(kind, batch, gen)
         for name, setting in SETTINGS.items():
@@ -97,10 +101,10 @@ def print_passes(gen: torch.Generator, batch: int = 32) -> None:
                 for n in names:
                     setattr(kernel, n, saved[n])
             # Replayed alone, a histogram pass keeps adding to the counts and resets the zones:
-            # time select and compact first, then max, then the histogram levels.
-            order = [4, 3, 0, 1, 2]                      # calls: max, hist 1, hist 2, compact, select
+            # time select and compact first, then the scan, then the histogram levels.
+            order = [4, 3, 0, 1, 2]                      # calls: scan, hist 1, hist 2, compact, select
             us = {i: time_calls(lambda _: calls[i][1](), [None], reps=10) for i in order}
-            labels = ("max", "hist1", "hist2", "compact", "select")
+            labels = ("scan", "hist1", "hist2", "compact", "select")
             print(f"passes {kind:7s} {name:22s} " + "  ".join(f"{labels[i]} {us[i]:6.1f}" for i in range(5)) + " us",
                   flush=True)
 

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from fullgraph.kernels import sampling as kernel
+from fullgraph.kernels.sampling_chain import _rough_gumbel
 from fullgraph.sampling import gumbel_noise, philox4x32, sample, sample_reference, token_logprobs
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -129,6 +130,36 @@ def test_philox_matches_triton_philox():
     _triton_philox_kernel[(1,)](ctr.to(DEVICE), out, seed, N=n)
     want = philox4x32(tuple(ctr), (torch.tensor(seed & 0xFFFFFFFF), torch.tensor((seed >> 32) & 0xFFFFFFFF)))
     assert torch.equal(out.cpu(), torch.stack(want))
+
+
+@triton.jit
+def _rough_gumbel_kernel(out_ptr, start, step, n, FAST: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + i, _rough_gumbel(start + i * step, FAST), mask=i < n)
+
+
+def rough_gumbel_error(start: int, step: int, n: int, fast: bool) -> float:
+    """Largest |rough - reference| Gumbel noise over m = start, start + step, ... (n values)."""
+    m = start + step * torch.arange(n, dtype=torch.int64, device=DEVICE)
+    out = torch.empty(n, device=DEVICE)
+    _rough_gumbel_kernel[(triton.cdiv(n, 1024),)](out, start, step, n, FAST=fast, BLOCK=1024)
+    u = (m * 2 + 1).float() * 2.0 ** -24
+    return (out - (-torch.log(-torch.log(u)))).abs().max().item()
+
+
+def test_rough_gumbel_is_close_on_cpu():
+    """The chain's scan ranks tokens by a cheap Gumbel noise (kernels/sampling_chain.py) and bounds
+    its error by ``_slack``: its series and branches here (np.log2 in the interpreter; every m on the GPU)."""
+    edges = [(0, 1, 4096), (2**23 - 4096, 1, 4096), (2**22 - 2048, 1, 4096), (0, 2**23 // 8192, 8192),
+             (2**23 - 2**18 - 2048, 1, 4096)]                                     # d = 1/32: the branch
+    assert max(rough_gumbel_error(*e, fast=False) for e in edges) < 2e-5
+
+
+@gpu
+def test_rough_gumbel_is_close_for_every_draw():
+    """lg2.approx on the GPU: every one of the 2**23 noise values within 2e-5 of the reference's
+    (``_slack`` allows 1e-4 plus the roundings of the score)."""
+    assert rough_gumbel_error(0, 1, 2**23, fast=True) < 2e-5
 
 
 def test_gumbel_noise_is_counter_based_and_gumbel():
@@ -270,6 +301,60 @@ def test_kernel_matches_reference(vocab, knobs):
     if "refine_above" in knobs:                                 # some rows took the level-2 histogram
         filtered = sampled & ((params["top_k"] > 0) | (params["top_p"] < 1))
         assert (ws["zones"][:, 2].cpu()[filtered] > 0).sum() >= 3
+
+
+@pytest.mark.parametrize("knobs", [
+    dict(block=512, num_chunks=3),                                # the default chain and lists
+    dict(block=128, num_chunks=8, chain=2, list_top=2),           # short chain, short lists: more fallbacks
+    dict(block=512, num_chunks=2, chain=1, list_top=1),           # one link: every rejected draw falls back
+])
+def test_chain_rows_match_reference_on_every_path(knobs):
+    """Rows with top-p alone (or no filter) take the chain of Gumbel winners (kernels/sampling_chain.py):
+    decided at its first link, at a later one, or fallen back to the histogram path (every link under
+    the top-p cut rejected, or a link the chunk lists cannot prove). Every path gives the reference's
+    token, ties and -inf included."""
+    g = torch.Generator().manual_seed(sum(knobs.values()))
+    rows, vocab = 48, 2000
+    logits = torch.randn(rows, vocab, generator=g) * (torch.rand(rows, 1, generator=g) * 3 + 0.5)
+    logits[::4, :vocab // 2] = torch.round(logits[::4, :vocab // 2] * 4) / 4       # bf16-like ties
+    logits[1::7, ::3] = -INF
+    top_p = torch.where(torch.arange(rows) % 6 == 0, 1.0, torch.rand(rows, generator=g) * 0.9 + 0.05)
+    params = make_params(rows, temperature=torch.rand(rows, generator=g) * 1.5 + 0.3, top_p=top_p,
+                         seed=torch.randint(-2**62, 2**62, (rows,), generator=g),
+                         offsets=torch.randint(0, 2**40, (rows,), generator=g), device=torch.device("cpu"))
+    ws: dict = {}
+    assert run_kernel(logits, params, workspace=ws, **knobs).tolist() == sample_reference(logits, **params).tolist()
+    state = ws["zones"][:, 8].cpu()
+    assert set(state.tolist()) == {1, 2}, "every chain row is decided (1) or falls back (2), and both happen"
+    sums = ws["chain_f"].sum(1).cpu()                            # (rows, links + 1): masses above links, Z
+    later = (state == 1) & (top_p < 1) & (sums[:, 0] >= top_p * sums[:, -1])
+    assert later.sum() >= (3 if knobs.get("chain", 4) > 1 else 0), "rows decided past the first link"
+
+
+def test_chain_needs_the_runner_up_bound():
+    """A chunk's list must bound the tokens it does not list, runner-ups of a position included.
+    Built from the noise itself (block 32: position 0 of chunk 0 sees ids 0, 32, ..., 992): the
+    best score is token a (value 3, rejected by top-p 0.9), the runner-up of its position is r (value
+    5, kept), and chunk 1's best is b (value 4.9, kept, a lower score than r). The chain's second link,
+    from the lists alone, would be b; only the runner-up bound shows r may beat it."""
+    vocab = 2048
+    for seed in range(100):
+        g = gumbel_noise(torch.tensor([seed]), torch.tensor([0]), vocab)[0]
+        pos0 = torch.arange(0, 1024, 32)
+        a = int(pos0[g[pos0].argmax()])
+        r = int(pos0[torch.where(pos0 == a, INF, g[pos0]).argmin()])
+        chunk1 = torch.arange(1024, vocab)
+        fits = chunk1[(g[chunk1] + 4.9 < g[r] + 5.0) & (g[chunk1] + 4.9 > g[r] + 4.0)]
+        if g[a] + 3.0 > g[r] + 5.0 and len(fits):
+            break
+    b = int(fits[0])
+    logits = torch.full((1, vocab), -20.0)
+    logits[0, [a, r, b]] = torch.tensor([3.0, 5.0, 4.9])
+    params = make_params(1, top_p=0.9, seed=seed, device=torch.device("cpu"))
+    ws: dict = {}
+    got = run_kernel(logits, params, workspace=ws, block=32, num_chunks=2, list_top=1)
+    assert sample_reference(logits, **params).tolist() == [r]
+    assert got.tolist() == [r] and int(ws["zones"][0, 8]) == 2, "the unproven link falls back"
 
 
 def test_kernel_slow_path_on_a_huge_tie():

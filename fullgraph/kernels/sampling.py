@@ -56,9 +56,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import env
 from . import compile_ahead, pdl
+from .sampling_chain import CHAIN, LIST_TOP, STATE, _check_chain, _is_chain, _scan_chain
 from .sampling_common import (BLOCK, BUCKETS_PER_NAT, CAND_BLOCK, CAND_SMALL, INT_MAX, LIST_BLOCK, NEG_INF,
-                              NUM_BUCKETS, REFINE_ABOVE, REFINE_BUCKETS, _bucket, _min_p_bucket,
+                              NUM_BUCKETS, REFINE_ABOVE, REFINE_BUCKETS, ZONES_W, _bucket, _min_p_bucket,
                               _noise_block, _position, _row_max, _row_sum, _scaled, _zones)
 
 from .sampling_select import _select_kernel
@@ -66,30 +68,40 @@ from .._compat import custom_op
 
 @compile_ahead.kernel
 @triton.jit
-def _max_kernel(
-        logits_ptr, part_f_ptr, part_i_ptr, hist_ptr, zones_ptr,       # pointers
-        vocab, chunk, num_chunks,                                      # sizes
-        stride_l,                                                      # strides
-        NB: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+def _scan_kernel(
+        logits_ptr, temp_ptr, top_k_ptr, min_p_ptr, seed_ptr, offset_ptr,             # pointers
+        part_f_ptr, part_i_ptr, hist_ptr, zones_ptr, list_f_ptr, list_i_ptr,
+        vocab, chunk, num_chunks,                                                     # sizes
+        stride_l,                                                                     # strides
+        NB: tl.constexpr, BLOCK: tl.constexpr, T: tl.constexpr, FAST: tl.constexpr, USE_PDL: tl.constexpr):
     pdl.wait(USE_PDL)
     pdl.start_dependents(USE_PDL)
     row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    if c == 0:                                       # the histogram's atomics and the arrival count
+    if c == 0:                                       # the histogram's atomics; zones, arrival count, chain state
         tl.store(hist_ptr + row * NB + tl.arange(0, NB), tl.zeros([NB], tl.int32))
-        tl.store(zones_ptr + row * 8 + 7, 0)
-    # per lane: the running max and its first index (a lane's ids grow, so ">" keeps the lowest);
-    # one reduction after the loop, not two a step
-    best = tl.full([BLOCK], NEG_INF, tl.float32)
-    arg = tl.zeros([BLOCK], tl.int32) + c * chunk
-    for off in range(0, chunk, BLOCK):
-        idx = c * chunk + off + tl.arange(0, BLOCK)
-        x = tl.load(logits_ptr + row * stride_l + idx, mask=idx < vocab, other=NEG_INF).to(tl.float32)
-        x = tl.where(x == x, x, NEG_INF)
-        arg = tl.where(x > best, idx, arg)
-        best = tl.maximum(best, x)
-    m = tl.max(best, 0)
-    tl.store(part_f_ptr + (row * num_chunks + c) * 4, m)
-    tl.store(part_i_ptr + (row * num_chunks + c) * 3, tl.min(tl.where(best == m, arg, INT_MAX), 0))
+        tl.store(zones_ptr + row * ZONES_W + tl.arange(0, ZONES_W), tl.zeros([ZONES_W], tl.int32))
+    x_row = logits_ptr + row * stride_l
+    slot = row * num_chunks + c
+    t = tl.load(temp_ptr + row)
+    if _is_chain(t, tl.load(top_k_ptr + row), tl.load(min_p_ptr + row), vocab):
+        first = _scan_chain(x_row, part_f_ptr + slot * 4, list_f_ptr + slot * (2 * T + 1), list_i_ptr + slot * T,
+                            c, chunk, vocab, tl.math.div_rn(1.0, t), tl.load(seed_ptr + row),
+                            tl.load(offset_ptr + row), BLOCK, T, FAST)
+    else:
+        # per lane: the running max and its first index (a lane's ids grow, so ">" keeps the lowest);
+        # one reduction after the loop, not two a step
+        best = tl.full([BLOCK], NEG_INF, tl.float32)
+        arg = tl.zeros([BLOCK], tl.int32) + c * chunk
+        for off in range(0, chunk, BLOCK):
+            idx = c * chunk + off + tl.arange(0, BLOCK)
+            x = tl.load(x_row + idx, mask=idx < vocab, other=NEG_INF).to(tl.float32)
+            x = tl.where(x == x, x, NEG_INF)
+            arg = tl.where(x > best, idx, arg)
+            best = tl.maximum(best, x)
+        m = tl.max(best, 0)
+        tl.store(part_f_ptr + slot * 4, m)
+        first = tl.min(tl.where(best == m, arg, INT_MAX), 0)
+    tl.store(part_i_ptr + slot * 3, first)
 
 
 @triton.jit
@@ -127,41 +139,66 @@ def _level_zones(hist_row, zrow, part_f_ptr, row, num_chunks, top_k, top_p, min_
 @triton.jit
 def _hist_kernel(
         logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, part_f_ptr, hist_ptr, zones_ptr,  # pointers
+        list_f_ptr, list_i_ptr, chain_f_ptr,
         vocab, chunk, num_chunks, refine_above,                                                  # sizes
         stride_l,                                                                                # strides
         NB: tl.constexpr, BPN: tl.constexpr, BLOCK: tl.constexpr, C_PAD: tl.constexpr, LEVEL: tl.constexpr,
-        USE_PDL: tl.constexpr):
+        T: tl.constexpr, J: tl.constexpr, USE_PDL: tl.constexpr):
     pdl.wait(USE_PDL)
     pdl.start_dependents(USE_PDL)
     row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    t, top_k, top_p = tl.load(temp_ptr + row), tl.load(top_k_ptr + row), tl.load(top_p_ptr + row)
-    inv_t = tl.math.div_rn(1.0, tl.where(t > 0, t, 1.0))
-    s_max = _row_max(part_f_ptr, row, num_chunks, C_PAD) * inv_t
-    zrow = zones_ptr + row * 8
-    go = (t > 0) & (s_max > NEG_INF) & (((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))
+    t, top_k, top_p, min_p = tl.load(temp_ptr + row), tl.load(top_k_ptr + row), tl.load(top_p_ptr + row), \
+        tl.load(min_p_ptr + row)
+    zrow = zones_ptr + row * ZONES_W
+    chain = _is_chain(t, top_k, min_p, vocab)
+    filtered = (t > 0) & (((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))
+    # what this program has to do, known before the row's max is read (most programs of a step
+    # whose rows all take the chain have nothing to do at level 2)
+    if LEVEL == 1:
+        busy = tl.where(chain, (top_p < 1.0) | (c == 0), filtered)
+    else:
+        busy = tl.where(chain, tl.load(zrow + STATE) == 2, filtered & (tl.load(zrow + 2) > 0))
+    go = False
+    first = LEVEL == 1                               # level-1 work: a histogram of the whole row
     b_hi1, b_lo1, sub = 0, 0, 0
-    if LEVEL == 2:                                   # only rows whose level-1 zone was too wide
-        b_hi1, b_lo1, sub = tl.load(zrow), tl.load(zrow + 1), tl.load(zrow + 2)
-        go = go & (sub > 0)
+    x_row = logits_ptr + row * stride_l
+    inv_t = tl.math.div_rn(1.0, tl.where(t > 0, t, 1.0))
+    s_max = tl.full([], NEG_INF, tl.float32)
+    if busy:
+        s_max = _row_max(part_f_ptr, row, num_chunks, C_PAD) * inv_t
+        go = filtered & (s_max > NEG_INF)
+        if LEVEL == 1:
+            if chain & (s_max > NEG_INF):
+                _check_chain(x_row, chain_f_ptr, list_f_ptr, list_i_ptr, zrow, part_f_ptr, row, c, chunk, num_chunks,
+                             vocab, inv_t, top_p, BLOCK, J, T, C_PAD)
+            go = go & ~chain
+        else:                                        # rows whose level-1 zone was too wide, and chain
+            first = chain                            # rows that fell back (their level 1 runs here)
+            b_hi1, b_lo1, sub = tl.load(zrow), tl.load(zrow + 1), tl.load(zrow + 2)
+            b_hi1, b_lo1, sub = tl.where(first, 0, b_hi1), tl.where(first, 0, b_lo1), tl.where(first, 0, sub)
     if go:
         acc = tl.zeros([BLOCK], tl.float32)         # Z (level 1), exact mass above the zone (level 2), per lane
         hist = tl.zeros([NB], tl.int32)
         for off in range(0, chunk, BLOCK):
-            s = _scaled(logits_ptr + row * stride_l, c * chunk + off + tl.arange(0, BLOCK), vocab, inv_t)
+            s = _scaled(x_row, c * chunk + off + tl.arange(0, BLOCK), vocab, inv_t)
             e = tl.exp(s - s_max)
             if LEVEL == 1:
                 acc += e
                 pos = _bucket(s, s_max, NB, BPN)
-            else:
+            else:                                    # sub == 0: _position is the level-1 bucket
                 pos = _position(s, s_max, b_hi1, b_lo1, sub, NB, BPN)
-                acc += tl.where(pos < 0, e, 0.0)
-                pos = tl.where((pos >= 0) & (pos < NB - 1), pos, NB - 1)
+                acc += tl.where(first, e, tl.where(pos < 0, e, 0.0))
+                pos = tl.where(first, pos, tl.where((pos >= 0) & (pos < NB - 1), pos, NB - 1))
             hist += tl.histogram(pos, NB)
         tl.atomic_add(hist_ptr + row * NB + tl.arange(0, NB), hist, mask=hist > 0, sem="relaxed")
-        tl.store(part_f_ptr + (row * num_chunks + c) * 4 + LEVEL, tl.sum(acc, 0))
+        tl.store(part_f_ptr + (row * num_chunks + c) * 4 + tl.where(first, 1, 2), tl.sum(acc, 0))
         if tl.atomic_add(zrow + 7, 1) == num_chunks - 1:          # acq_rel: the others' counts are in
-            _level_zones(hist_ptr + row * NB, zrow, part_f_ptr, row, num_chunks, top_k, top_p,
-                         tl.load(min_p_ptr + row), vocab, refine_above, LEVEL, NB, BPN, C_PAD)
+            if first:                                # level 2 has no launch left for a fallen-back row
+                _level_zones(hist_ptr + row * NB, zrow, part_f_ptr, row, num_chunks, top_k, top_p, min_p, vocab,
+                             tl.where(LEVEL == 1, refine_above, INT_MAX), 1, NB, BPN, C_PAD)
+            else:
+                _level_zones(hist_ptr + row * NB, zrow, part_f_ptr, row, num_chunks, top_k, top_p, min_p, vocab,
+                             refine_above, 2, NB, BPN, C_PAD)
             tl.store(zrow + 7, 0)
 
 
@@ -179,10 +216,12 @@ def _compact_kernel(
     row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
     t, top_k, top_p = tl.load(temp_ptr + row), tl.load(top_k_ptr + row), tl.load(top_p_ptr + row)
     inv_t = tl.math.div_rn(1.0, tl.where(t > 0, t, 1.0))
-    s_max = _row_max(part_f_ptr, row, num_chunks, C_PAD) * inv_t
-    if (t > 0) & (s_max > NEG_INF):
+    zrow = zones_ptr + row * ZONES_W
+    s_max = tl.full([], NEG_INF, tl.float32)
+    if (t > 0) & (tl.load(zrow + STATE) != 1):                       # not decided by the chain
+        s_max = _row_max(part_f_ptr, row, num_chunks, C_PAD) * inv_t
+    if s_max > NEG_INF:
         min_p, seed, offset = tl.load(min_p_ptr + row), tl.load(seed_ptr + row), tl.load(offset_ptr + row)
-        zrow = zones_ptr + row * 8
         zero = tl.zeros([], tl.int32)                               # no top-k / top-p: min-p alone
         b_hi1, b_lo1, sub, b_hi, b_lo = zero, zero, zero, zero + NB, _min_p_bucket(min_p, 0.0, BPN, NB)
         if ((top_k > 0) & (top_k < vocab)) | (top_p < 1.0):
@@ -219,6 +258,7 @@ def _compact_kernel(
         tl.store(part_i_ptr + (row * num_chunks + c) * 3 + 2, n)
 
 
+INTERPRET = env.triton_interpret()   # read once: the interpreter has no fast_log2f
 MANY_ROWS = 16  # from this many rows the row passes take BLOCK-token steps over 8 programs per SM
 
 
@@ -245,10 +285,11 @@ def _launch_shape(rows: int, device: torch.device) -> tuple[int, int]:
 def launch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
            min_p: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor, *, block: int | None = None,
            num_chunks: int | None = None, cand_block: int = CAND_BLOCK, refine_above: int = REFINE_ABOVE,
-           workspace: dict | None = None) -> torch.Tensor:
-    """Launch the passes; ``block``, ``num_chunks``, ``cand_block`` and ``refine_above`` are tuning
-    knobs (tests shrink them to reach every path on small vocabularies; None: ``_launch_shape``);
-    a ``workspace`` dict receives the intermediate tensors (``zones``: see ``_level_zones``).
+           list_top: int = LIST_TOP, chain: int = CHAIN, workspace: dict | None = None) -> torch.Tensor:
+    """Launch the passes; ``block``, ``num_chunks``, ``cand_block``, ``refine_above``, ``list_top``
+    and ``chain`` (1, 2 or 4) are tuning knobs (tests shrink them to reach every path on small
+    vocabularies; None: ``_launch_shape``); a ``workspace`` dict receives the intermediate tensors
+    (``zones``: see ``_level_zones`` and ``sampling_chain``).
     Capture-safe: the launch shape depends on the row count only."""
     rows, vocab = logits.shape
     out = compile_ahead.output(rows, torch.int64, logits.device)
@@ -267,21 +308,27 @@ def launch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     part_f = torch.empty(rows, c, 4, dtype=torch.float32, device=dev)   # max, Z, surely-kept mass, score
     part_i = torch.empty(rows, c, 3, dtype=torch.int32, device=dev)     # argmax, winner id, undecided
     hist = torch.empty(rows, NUM_BUCKETS, dtype=torch.int32, device=dev)
-    zones = torch.empty(rows, 8, dtype=torch.int32, device=dev)   # see _level_zones; [7] arrival count
+    zones = torch.empty(rows, ZONES_W.value, dtype=torch.int32, device=dev)   # see _level_zones; [7] arrivals
     cand = torch.empty(rows, c, chunk, dtype=torch.int32, device=dev)     # undecided ids, per chunk
     scratch = torch.empty(rows, cand_block, dtype=torch.int32, device=dev)
+    list_f = torch.empty(rows, c, 2 * list_top + 1, dtype=torch.float32, device=dev)  # scores, values, bound
+    list_i = torch.empty(rows, c, list_top, dtype=torch.int32, device=dev)            # the listed ids
+    chain_f = torch.empty(rows, c, 5, dtype=torch.float32, device=dev)   # masses above links 0 .. 3, Z
     if workspace is not None:
-        workspace.update(part_f=part_f, part_i=part_i, hist=hist, zones=zones, cand=cand)
+        workspace.update(part_f=part_f, part_i=part_i, hist=hist, zones=zones, cand=cand, list_f=list_f,
+                         list_i=list_i, chain_f=chain_f)
     # No FMA contraction: s = x * (1 / T) and s - s_max round exactly as in PyTorch.
     meta = dict(NB=NUM_BUCKETS, BLOCK=block, enable_fp_fusion=False, **pdl.options(logits))
     warps = 8 if block >= 2048 else 4
-    _max_kernel[(rows, c)](logits, part_f, part_i, hist, zones, vocab, chunk, c, logits.stride(0),
-                           num_warps=warps, **meta)
+    _scan_kernel[(rows, c)](logits, temperature, top_k, min_p, seeds, offsets, part_f, part_i, hist, zones, list_f,
+                            list_i, vocab, chunk, c, logits.stride(0), T=list_top, FAST=not INTERPRET, num_warps=warps,
+                            **meta)
     meta.update(BPN=BUCKETS_PER_NAT, C_PAD=triton.next_power_of_2(c))
     params = (temperature, top_k, top_p, min_p, seeds, offsets)
     for level in (1, 2):
-        _hist_kernel[(rows, c)](logits, temperature, top_k, top_p, min_p, part_f, hist, zones, vocab, chunk, c,
-                                refine_above, logits.stride(0), LEVEL=level, num_warps=warps, **meta)
+        _hist_kernel[(rows, c)](logits, temperature, top_k, top_p, min_p, part_f, hist, zones, list_f, list_i,
+                                chain_f, vocab, chunk, c, refine_above, logits.stride(0), LEVEL=level, T=list_top,
+                                J=chain, num_warps=warps, **meta)
     _compact_kernel[(rows, c)](logits, *params, part_f, part_i, zones, cand, vocab, chunk, c, chunk,
                                logits.stride(0), num_warps=warps, **meta)
     _select_kernel[(rows,)](logits, *params, part_f, part_i, zones, cand, scratch, out, vocab, c, chunk,

@@ -14,6 +14,7 @@ CAND_BLOCK = 4096      # undecided tokens the select pass holds in registers ...
 CAND_SMALL = 512       # ... in a lighter variant when there are only a few
 REFINE_BUCKETS = 64    # buckets below b_hi the select pass can narrow a large undecided zone to
 LIST_BLOCK = 256       # tokens per step when the select pass walks the undecided list
+ZONES_W = tl.constexpr(16)   # ints a row's zones hold (see kernels/sampling.py, _level_zones and sampling_chain)
 NEG_INF = tl.constexpr(float("-inf"))
 INT_MAX = tl.constexpr(2**31 - 1)
 

@@ -6,7 +6,8 @@ import triton
 import triton.language as tl
 
 from . import compile_ahead, pdl
-from .sampling_common import (INT_MAX, NEG_INF, _key, _noise_at, _position, _row_max, _row_sum,
+from .sampling_chain import STATE, TOKEN
+from .sampling_common import (INT_MAX, NEG_INF, ZONES_W, _key, _noise_at, _position, _row_max, _row_sum,
                               _scaled, _unkey)
 
 @triton.jit
@@ -211,6 +212,21 @@ def _select_kernel(
     pdl.wait(USE_PDL)
     pdl.start_dependents(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
+    zrow = zones_ptr + row * ZONES_W
+    token = tl.load(zrow + TOKEN)                                  # the chain's, if it decided the row
+    if tl.load(zrow + STATE) != 1:
+        token = _unchained(logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, offset_ptr, part_f_ptr,
+                           part_i_ptr, cand_ptr, scratch_ptr, zrow, row, vocab, num_chunks, seg_cap, stride_l,
+                           NB, BPN, BLOCK, C_PAD, CB, CB_SMALL, RB, LB)
+    tl.store(out_ptr + row, token.to(tl.int64))
+
+
+@triton.jit
+def _unchained(logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, offset_ptr, part_f_ptr, part_i_ptr,
+               cand_ptr, scratch_ptr, zrow, row, vocab, num_chunks, seg_cap, stride_l, NB: tl.constexpr,
+               BPN: tl.constexpr, BLOCK: tl.constexpr, C_PAD: tl.constexpr, CB: tl.constexpr, CB_SMALL: tl.constexpr,
+               RB: tl.constexpr, LB: tl.constexpr):
+    """The token of a row the chain did not decide: greedy, or the winner over its exact thresholds."""
     cs = tl.arange(0, C_PAD)
     x_max = _row_max(part_f_ptr, row, num_chunks, C_PAD)
     args = tl.load(part_i_ptr + (row * num_chunks + cs) * 3, mask=cs < num_chunks, other=INT_MAX)
@@ -229,7 +245,6 @@ def _select_kernel(
         ids = tl.load(part_i_ptr + (row * num_chunks + cs) * 3 + 1, mask=cs < num_chunks, other=INT_MAX)
         best = tl.max(scores, 0)                                   # the surely-kept zone's winner
         best_id = tl.min(tl.where(scores == best, ids, INT_MAX), 0)
-        zrow = zones_ptr + row * 8
         n_hi = tl.load(zrow + 5)
         x_row = logits_ptr + row * stride_l
         if n_list > 0:
@@ -251,4 +266,4 @@ def _select_kernel(
             best_id = tl.where((m > best) | ((m == best) & (m_id < best_id)), m_id, best_id)
             best = tl.maximum(best, m)
         token = tl.where(best > NEG_INF, best_id, token)
-    tl.store(out_ptr + row, token.to(tl.int64))
+    return token
