@@ -5,10 +5,15 @@ Semantics, tie rules and RNG are exactly ``fullgraph.sampling.sample_reference``
 ``exp(s - s_max) >= min_p``; the token is the Gumbel-max ``argmax(s + g)`` over the kept set, with
 Philox4x32-10 noise keyed on the seed, counter ``(v >> 2, offset lo, offset hi, 0)``, lane ``v & 3``.
 
-Algorithm: rows are split into C chunks; passes of (R, C) programs, then one of R programs.
-1. ``_max_kernel``: per chunk, the max and lowest argmax of the raw logits (NaN as -inf). The greedy
-   answer, and ``s_max = max * (1 / T)`` (the scaling is monotone).
-2. ``_hist_kernel`` level 1 (rows with top-k or top-p only): each token's ``d = s_max - s`` falls
+Algorithm: rows are split into C chunks; passes of (R, C) programs, then one of R programs. Rows
+with top-p alone or no filter ("chain rows") are decided in the first two (``sampling_chain``);
+rows with top-k or min-p take the histogram path through all five.
+1. ``_scan_kernel``: per chunk, the max and lowest argmax of the raw logits (NaN as -inf). The greedy
+   answer, and ``s_max = max * (1 / T)`` (the scaling is monotone). Chain rows also list the chunk's
+   best Gumbel scores and a bound of the rest.
+2. ``_hist_kernel`` level 1. Chain rows: Z and the masses above the chain's first links; the row's
+   last program decides the token or sends the row to the histogram path (from launch 3).
+   Rows with top-k or top-p: each token's ``d = s_max - s`` falls
    in bucket ``floor(d * BPN)`` of 1/BPN nat (the last also takes d >= (NB - 1) / BPN, -inf and
    lanes past V): a count histogram per row (``tl.histogram``, one atomic add per program) and
    ``Z = sum exp(s - s_max)``. The row's last program to finish derives the zones: buckets
@@ -18,10 +23,13 @@ Algorithm: rows are split into C chunks; passes of (R, C) programs, then one of 
 3. ``_hist_kernel`` level 2 (rows whose undecided zone holds > REFINE_ABOVE tokens): the same over
    that zone split ``sub`` times finer (a power of two, so bucket edges stay exact), on top of the
    exact count and mass of the tokens above it. Positions ("pos") are level-2 buckets for such rows.
-4. ``_compact_kernel``: sums the exact mass of the surely-kept zone, takes the Gumbel winner among its
+   Chain rows that fell back run level 1 here (and no level 2: pass 5 narrows a wide zone itself).
+4. ``_compact_kernel`` (rows the chain did not decide): sums the exact mass of the surely-kept zone,
+   takes the Gumbel winner among its
    min-p survivors (noise only for blocks that hold one), and writes the ids of the undecided tokens
    (``b_hi <= pos <= b_lo``) to the chunk's segment of ``cand``.
-5. ``_select_kernel``: exact ``v_k`` and ``v_p`` over the undecided tokens by a search on the
+5. ``_select_kernel``: the chain's token where it decided; otherwise exact ``v_k`` and ``v_p`` over
+   the undecided tokens by a search on the
    order-preserving int32 key of s (counts, then masses, on top of the surely-kept zone's), the
    winner among the kept ones against the surely-kept winner; greedy rows take pass 1's argmax.
    Up to CAND_BLOCK undecided tokens are searched in registers. More are first narrowed with exact
@@ -36,12 +44,11 @@ reference, so results can differ only where a mass
 sits within rounding of ``top_p * Z_k`` or two scores tie to the last bit. Capture-safe: grids and
 workspaces come from shapes, every decision is made on the device.
 
-Measured on an H200, V = 128256, batch 32, per call in a CUDA graph (2026-12-05, 4096-token
-steps at 2 programs per SM): greedy 14 us, min-p 40-53 us, top-k 50 + top-p 0.95 106 us, top-p 0.9
-148 us (the sort-based reference: 1.9 ms). Per pass: max 6, level-1 histogram 24, level-2 28,
-compact 30-56, select 2-14 us; a pass with nothing to do costs 1.6 us. With 1024-token steps at 8
-programs per SM (the launch shape from 16 rows since): top-p 0.9 107 us, top-k 50 + top-p 0.95 69
-us (batch 64: 193 and 116 us).
+Measured (V = 128256, per call in a CUDA graph, ``benchmarks/bench_sampling.py``; BENCHMARKS.md
+has the tables): before the chain, top-p 0.9 cost 107 / 193 us at batch 32 / 64 on an H200 (the
+histogram path: level-1 histogram 24, level-2 28, compact 30-56 us); with it 33 / 47 us on an
+H100 (scan 14, check 13, three passes with nothing to do 2 us each). Top-k 50 + top-p 0.95 keeps
+the histogram path: 69 / 112 us.
 
 Layout contract:
     logits:        (R, V) float32/bf16/fp16, ``stride(-1) == 1``
@@ -169,7 +176,7 @@ def _hist_kernel(
         go = filtered & (s_max > NEG_INF)
         if LEVEL == 1:
             if chain & (s_max > NEG_INF):
-                _check_chain(x_row, chain_f_ptr, list_f_ptr, list_i_ptr, zrow, part_f_ptr, row, c, chunk, num_chunks,
+                _check_chain(x_row, chain_f_ptr, list_f_ptr, list_i_ptr, zrow, s_max, row, c, chunk, num_chunks,
                              vocab, inv_t, top_p, BLOCK, J, T, C_PAD)
             go = go & ~chain
         else:                                        # rows whose level-1 zone was too wide, and chain

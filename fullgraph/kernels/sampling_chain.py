@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .sampling_common import INT_MAX, NEG_INF, _noise_at, _philox_words, _row_max
+from .sampling_common import INT_MAX, NEG_INF, _noise_at, _philox_words
 
 LIST_TOP = 2   # best scores a chunk lists (H100, batch 32 and 64: 2 is 3-7 us faster than 4, no fallbacks)
 CHAIN = 4      # links whose masses the check pass sums (1, 2 or 4)
@@ -161,7 +161,7 @@ def _links(list_f_ptr, list_i_ptr, row, num_chunks, J: tl.constexpr, T: tl.const
 
 
 @triton.jit
-def _check_chain(x_row, chain_f_ptr, list_f_ptr, list_i_ptr, zrow, part_f_ptr, row, c, chunk, num_chunks, vocab,
+def _check_chain(x_row, chain_f_ptr, list_f_ptr, list_i_ptr, zrow, s_max, row, c, chunk, num_chunks, vocab,
                  inv_t, top_p, BLOCK: tl.constexpr, J: tl.constexpr, T: tl.constexpr, C_PAD: tl.constexpr):
     """Level-1 work of a chain row: Z and the masses above each link over this chunk; the row's last
     program decides (zones STATE / TOKEN)."""
@@ -170,7 +170,6 @@ def _check_chain(x_row, chain_f_ptr, list_f_ptr, list_i_ptr, zrow, part_f_ptr, r
         nxt = tl.load(x_row + c * chunk + tl.arange(0, BLOCK), mask=c * chunk + tl.arange(0, BLOCK) < end,
                       other=NEG_INF)                  # in flight while the links are found
         v0, v1, v2, v3, link_ids, proven = _links(list_f_ptr, list_i_ptr, row, num_chunks, J, T, C_PAD)
-        s_max = _row_max(part_f_ptr, row, num_chunks, C_PAD) * inv_t
         z = tl.zeros([BLOCK], tl.float32)
         a0 = tl.zeros([BLOCK], tl.float32)           # per position: the masses above links 0 .. 3
         a1 = tl.zeros([BLOCK], tl.float32)
