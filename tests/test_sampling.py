@@ -331,6 +331,31 @@ def test_chain_rows_match_reference_on_every_path(knobs):
     assert later.sum() >= (3 if knobs.get("chain", 4) > 1 else 0), "rows decided past the first link"
 
 
+@pytest.mark.parametrize("knobs", [dict(block=256, num_chunks=4), dict(block=256, num_chunks=4, cand_block=16)])
+def test_topk_rows_match_reference_on_every_path(knobs):
+    """Rows with a top-k the chunks' value lists reach (k <= 8 * 4 here) list their candidates in
+    level 1 (kernels/sampling_topk.py) with top-p and min-p on top; a list longer than cand_block
+    (k > 16 in the second case) falls back to the histograms; larger k keeps the histogram path.
+    Every path gives the reference's token, wide ties at the listed threshold included."""
+    g = torch.Generator().manual_seed(11 + len(knobs))
+    rows, vocab = 40, 3000
+    logits = torch.randn(rows, vocab, generator=g) * (torch.rand(rows, 1, generator=g) * 3 + 0.5)
+    logits[::4] = torch.round(logits[::4] * 2) / 2                                # wide ties
+    logits[1::9, ::5] = -INF
+    top_k = torch.randint(1, 45, (rows,), generator=g)
+    params = make_params(rows, temperature=torch.rand(rows, generator=g) * 1.5 + 0.3, top_k=top_k,
+                         top_p=torch.where(torch.arange(rows) % 3 == 0, torch.rand(rows, generator=g) * 0.8 + 0.1, 1.0),
+                         min_p=torch.where(torch.arange(rows) % 5 == 1, 0.05, 0.0),
+                         seed=torch.randint(-2**62, 2**62, (rows,), generator=g), device=torch.device("cpu"))
+    ws: dict = {}
+    assert run_kernel(logits, params, workspace=ws, **knobs).tolist() == sample_reference(logits, **params).tolist()
+    state = ws["zones"][:, 8].cpu()
+    listed = top_k <= 32
+    assert (state[listed] == 3).sum() >= 8 and (state[~listed] == 0).all()
+    if "cand_block" in knobs:
+        assert (state[listed] == 2).sum() >= 3, "lists past cand_block fall back"
+
+
 def test_chain_needs_the_runner_up_bound():
     """A chunk's list must bound the tokens it does not list, runner-ups of a position included.
     Built from the noise itself (block 32: position 0 of chunk 0 sees ids 0, 32, ..., 992): the

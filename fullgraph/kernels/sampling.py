@@ -66,6 +66,7 @@ import triton.language as tl
 from .. import env
 from . import compile_ahead, pdl
 from .sampling_chain import CHAIN, LIST_TOP, STATE, _check_chain, _is_chain, _scan_chain
+from .sampling_topk import LISTED, TOP_VALUES, _is_topk, _list_topk, _scan_values
 from .sampling_common import (BLOCK, BUCKETS_PER_NAT, CAND_BLOCK, CAND_SMALL, INT_MAX, LIST_BLOCK, NEG_INF,
                               NUM_BUCKETS, REFINE_ABOVE, REFINE_BUCKETS, ZONES_W, _bucket, _min_p_bucket,
                               _noise_block, _position, _row_max, _row_sum, _scaled, _zones)
@@ -77,10 +78,11 @@ from .._compat import custom_op
 @triton.jit
 def _scan_kernel(
         logits_ptr, temp_ptr, top_k_ptr, min_p_ptr, seed_ptr, offset_ptr,             # pointers
-        part_f_ptr, part_i_ptr, hist_ptr, zones_ptr, list_f_ptr, list_i_ptr,
+        part_f_ptr, part_i_ptr, hist_ptr, zones_ptr, list_f_ptr, list_i_ptr, values_ptr,
         vocab, chunk, num_chunks,                                                     # sizes
         stride_l,                                                                     # strides
-        NB: tl.constexpr, BLOCK: tl.constexpr, T: tl.constexpr, FAST: tl.constexpr, USE_PDL: tl.constexpr):
+        NB: tl.constexpr, BLOCK: tl.constexpr, T: tl.constexpr, TK: tl.constexpr, FAST: tl.constexpr,
+        USE_PDL: tl.constexpr):
     pdl.wait(USE_PDL)
     pdl.start_dependents(USE_PDL)
     row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
@@ -90,7 +92,11 @@ def _scan_kernel(
     x_row = logits_ptr + row * stride_l
     slot = row * num_chunks + c
     t = tl.load(temp_ptr + row)
-    if _is_chain(t, tl.load(top_k_ptr + row), tl.load(min_p_ptr + row), vocab):
+    top_k = tl.load(top_k_ptr + row)
+    if _is_topk(t, top_k, vocab, num_chunks, TK):
+        first = _scan_values(x_row, part_f_ptr + slot * 4, values_ptr + slot * TK, c, chunk, vocab,
+                             tl.math.div_rn(1.0, t), BLOCK, TK)
+    elif _is_chain(t, top_k, tl.load(min_p_ptr + row), vocab):
         first = _scan_chain(x_row, part_f_ptr + slot * 4, list_f_ptr + slot * (2 * T + 1), list_i_ptr + slot * T,
                             c, chunk, vocab, tl.math.div_rn(1.0, t), tl.load(seed_ptr + row),
                             tl.load(offset_ptr + row), BLOCK, T, FAST)
@@ -146,11 +152,11 @@ def _level_zones(hist_row, zrow, part_f_ptr, row, num_chunks, top_k, top_p, min_
 @triton.jit
 def _hist_kernel(
         logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, part_f_ptr, hist_ptr, zones_ptr,  # pointers
-        list_f_ptr, list_i_ptr, chain_f_ptr,
-        vocab, chunk, num_chunks, refine_above,                                                  # sizes
+        list_f_ptr, list_i_ptr, chain_f_ptr, values_ptr, part_i_ptr, cand_ptr,
+        vocab, chunk, num_chunks, refine_above, cand_block,                                      # sizes
         stride_l,                                                                                # strides
         NB: tl.constexpr, BPN: tl.constexpr, BLOCK: tl.constexpr, C_PAD: tl.constexpr, LEVEL: tl.constexpr,
-        T: tl.constexpr, J: tl.constexpr, USE_PDL: tl.constexpr):
+        T: tl.constexpr, J: tl.constexpr, TK: tl.constexpr, USE_PDL: tl.constexpr):
     pdl.wait(USE_PDL)
     pdl.start_dependents(USE_PDL)
     row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
@@ -158,13 +164,14 @@ def _hist_kernel(
         tl.load(min_p_ptr + row)
     zrow = zones_ptr + row * ZONES_W
     chain = _is_chain(t, top_k, min_p, vocab)
+    topk = _is_topk(t, top_k, vocab, num_chunks, TK)
     filtered = (t > 0) & (((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))
     # what this program has to do, known before the row's max is read (most programs of a step
-    # whose rows all take the chain have nothing to do at level 2)
+    # whose rows all take the chain or the top-k list have nothing to do at level 2)
     if LEVEL == 1:
         busy = tl.where(chain, (top_p < 1.0) | (c == 0), filtered)
     else:
-        busy = tl.where(chain, tl.load(zrow + STATE) == 2, filtered & (tl.load(zrow + 2) > 0))
+        busy = tl.where(chain | topk, tl.load(zrow + STATE) == 2, filtered & (tl.load(zrow + 2) > 0))
     go = False
     first = LEVEL == 1                               # level-1 work: a histogram of the whole row
     b_hi1, b_lo1, sub = 0, 0, 0
@@ -178,9 +185,12 @@ def _hist_kernel(
             if chain & (s_max > NEG_INF):
                 _check_chain(x_row, chain_f_ptr, list_f_ptr, list_i_ptr, zrow, s_max, row, c, chunk, num_chunks,
                              vocab, inv_t, top_p, BLOCK, J, T, C_PAD)
-            go = go & ~chain
+            if topk & (s_max > NEG_INF):
+                _list_topk(x_row, values_ptr, part_f_ptr, part_i_ptr, cand_ptr, zrow, row, c, chunk, num_chunks,
+                           vocab, inv_t, top_k, cand_block, BLOCK, TK, C_PAD)
+            go = go & ~chain & ~topk
         else:                                        # rows whose level-1 zone was too wide, and chain
-            first = chain                            # rows that fell back (their level 1 runs here)
+            first = chain | topk                     # or top-k rows that fell back (their level 1 runs here)
             b_hi1, b_lo1, sub = tl.load(zrow), tl.load(zrow + 1), tl.load(zrow + 2)
             b_hi1, b_lo1, sub = tl.where(first, 0, b_hi1), tl.where(first, 0, b_lo1), tl.where(first, 0, sub)
     if go:
@@ -225,7 +235,8 @@ def _compact_kernel(
     inv_t = tl.math.div_rn(1.0, tl.where(t > 0, t, 1.0))
     zrow = zones_ptr + row * ZONES_W
     s_max = tl.full([], NEG_INF, tl.float32)
-    if (t > 0) & (tl.load(zrow + STATE) != 1):                       # not decided by the chain
+    state = tl.load(zrow + STATE)
+    if (t > 0) & (state != 1) & (state != LISTED):     # not decided by the chain, nor listed for top-k
         s_max = _row_max(part_f_ptr, row, num_chunks, C_PAD) * inv_t
     if s_max > NEG_INF:
         min_p, seed, offset = tl.load(min_p_ptr + row), tl.load(seed_ptr + row), tl.load(offset_ptr + row)
@@ -321,21 +332,23 @@ def launch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     list_f = torch.empty(rows, c, 2 * list_top + 1, dtype=torch.float32, device=dev)  # scores, values, bound
     list_i = torch.empty(rows, c, list_top, dtype=torch.int32, device=dev)            # the listed ids
     chain_f = torch.empty(rows, c, 5, dtype=torch.float32, device=dev)   # masses above links 0 .. 3, Z
+    values = torch.empty(rows, c, TOP_VALUES, dtype=torch.float32, device=dev)   # top-k rows' listed values
     if workspace is not None:
         workspace.update(part_f=part_f, part_i=part_i, hist=hist, zones=zones, cand=cand, list_f=list_f,
-                         list_i=list_i, chain_f=chain_f)
+                         list_i=list_i, chain_f=chain_f, values=values)
     # No FMA contraction: s = x * (1 / T) and s - s_max round exactly as in PyTorch.
     meta = dict(NB=NUM_BUCKETS, BLOCK=block, enable_fp_fusion=False, **pdl.options(logits))
     warps = 8 if block >= 2048 else 4
     _scan_kernel[(rows, c)](logits, temperature, top_k, min_p, seeds, offsets, part_f, part_i, hist, zones, list_f,
-                            list_i, vocab, chunk, c, logits.stride(0), T=list_top, FAST=not INTERPRET, num_warps=warps,
-                            **meta)
+                            list_i, values, vocab, chunk, c, logits.stride(0), T=list_top, TK=TOP_VALUES,
+                            FAST=not INTERPRET, num_warps=warps, **meta)
     meta.update(BPN=BUCKETS_PER_NAT, C_PAD=triton.next_power_of_2(c))
     params = (temperature, top_k, top_p, min_p, seeds, offsets)
     for level in (1, 2):
         _hist_kernel[(rows, c)](logits, temperature, top_k, top_p, min_p, part_f, hist, zones, list_f, list_i,
-                                chain_f, vocab, chunk, c, refine_above, logits.stride(0), LEVEL=level, T=list_top,
-                                J=chain, num_warps=warps, **meta)
+                                chain_f, values, part_i, cand, vocab, chunk, c, refine_above, cand_block,
+                                logits.stride(0), LEVEL=level, T=list_top, J=chain, TK=TOP_VALUES, num_warps=warps,
+                                **meta)
     _compact_kernel[(rows, c)](logits, *params, part_f, part_i, zones, cand, vocab, chunk, c, chunk,
                                logits.stride(0), num_warps=warps, **meta)
     _select_kernel[(rows,)](logits, *params, part_f, part_i, zones, cand, scratch, out, vocab, c, chunk,
