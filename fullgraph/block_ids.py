@@ -8,6 +8,7 @@ step passed its checks.
 from __future__ import annotations
 
 import itertools
+import operator
 import struct
 from collections.abc import Sequence
 
@@ -75,33 +76,52 @@ class BlockIdCache:
         self._rows: dict[int, tuple[list, bytes, bytes | None]] = {}
         self._limits: tuple[int, int] | None = None
         self._pending: tuple[dict, tuple[int, int] | None] = ({}, None)
+        # the last valid step in order: its lists' ids and entries, and what lookup returned for it
+        self._order: tuple[list[int], list[tuple], tuple] | None = None
+        self._pending_order: tuple[list[int], list[tuple], tuple] | None = None
 
     def lookup(self, blk_lists: list[Sequence[int]], count: int, num_blocks: int,
                width: int) -> tuple[np.ndarray, np.ndarray | None, bool]:
         """``flatten_ids(blk_lists, count)``; the block-table rows ``(len(blk_lists), width)`` int32, or
         None; and whether the ids are known to be in range and distinct."""
-        rows = self._rows if (num_blocks, width) == self._limits else {}
-        pending, ids_parts, row_parts, checked, whole = {}, [], [], True, True
-        for ids in blk_lists:
-            if type(ids) is not list:  # arrays and tuples: converted every step
-                self._pending = ({}, None)
-                return flatten_ids(blk_lists, count), None, False
-            key = id(ids)
+        limits = (num_blocks, width)
+        if set(map(type, blk_lists)) != {list}:  # arrays and tuples: converted every step
+            self._pending, self._pending_order = ({}, None), None
+            return flatten_ids(blk_lists, count), None, False
+        keys = list(map(id, blk_lists))
+        order = self._order if limits == self._limits else None
+        if order is not None and keys == order[0]:
+            # the same lists in the same order (a decode batch between its changes): compared at
+            # C speed, a changed one repacked; a step with none changed returns the last arrays
+            same = list(map(operator.eq, blk_lists, [entry[0] for entry in order[1]]))
+            if all(same):   # every list unchanged since a step that passed: in range, distinct
+                self._pending, self._pending_order = (self._rows, limits), order
+                return order[2][0], order[2][1], len(set(keys)) == len(keys)
+            entries = [entry if ok else (ids.copy(), *_packed(ids, width))
+                       for entry, ok, ids in zip(order[1], same, blk_lists)]
+            return self._result(keys, entries, limits, checked=False)
+        rows = self._rows if limits == self._limits else {}
+        entries, checked = [], True
+        for key, ids in zip(keys, blk_lists):
             entry = rows.get(key)
             if entry is None or entry[0] != ids:
-                entry = (ids.copy(), *_packed(ids, width))
-                checked, whole = False, whole and entry[2] is not None
-            pending[key] = entry
-            ids_parts.append(entry[1])
-            row_parts.append(entry[2])
-        self._pending = (pending, (num_blocks, width))
-        checked = checked and len(pending) == len(blk_lists)  # else one list came twice: its ids repeat
-        table = np.frombuffer(b"".join(row_parts), np.int32).reshape(-1, width) if whole else None
-        return np.frombuffer(b"".join(ids_parts), np.int64), table, checked
+                entry, checked = (ids.copy(), *_packed(ids, width)), False
+            entries.append(entry)
+        return self._result(keys, entries, limits, checked)
+
+    def _result(self, keys: list[int], entries: list[tuple], limits: tuple[int, int], checked: bool):
+        pending = dict(zip(keys, entries))
+        checked = checked and len(pending) == len(keys)  # else one list came twice: its ids repeat
+        rows = [entry[2] for entry in entries]
+        table = None if None in rows else np.frombuffer(b"".join(rows), np.int32).reshape(-1, limits[1])
+        result = (np.frombuffer(b"".join([entry[1] for entry in entries]), np.int64), table, checked)
+        self._pending, self._pending_order = (pending, limits), (keys, entries, result)
+        return result
 
     def commit(self) -> None:
         """The step just looked up passed every check: its lists are the ones to compare with next."""
         self._rows, self._limits = self._pending
+        self._order = self._pending_order
 
 
 def _packed(ids: list, width: int) -> tuple[bytes, bytes | None]:
