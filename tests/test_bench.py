@@ -144,3 +144,29 @@ def test_bench_plan_and_host_run_on_cpu(tmp_path, capsys):
         assert 0 < r["pre_launch_us"] <= r["step_us"]
         assert all(r[f"phase_{p}_us"] >= 0 for p in phases) and r["phase_plan_us"] > 0 and r["phase_ledger_us"] > 0
         assert sum(r[f"phase_{p}_us"] for p in phases) < 3 * r["step_us"]
+
+
+def test_bench_serve_runs_on_cpu_and_plots(tmp_path, capsys):
+    """bench serve (the engine, the runner's floor) on the toy preset, all at once and at a rate, and
+    bench plot of both runs; a serve file beside a decode file is refused."""
+    pytest.importorskip("matplotlib")
+    from fullgraph.bench.__main__ import main
+
+    common = ["serve", "--preset", "toy", "--requests", "6", "--input-len", "16", "--output-len", "4",
+              "--max-num-seqs", "4", "--max-num-tokens", "64"]
+    runs = []
+    for rate in ("0", "50"):
+        runs.append(tmp_path / f"serve_{rate}.json")
+        main([*common, "--rate", rate, "--out", str(runs[-1])])
+        data = json.loads(runs[-1].read_text())
+        assert data["command"] == "serve" and data["preset"] == "toy" and data["rate"] == float(rate)
+        ours = data["rows"][0]
+        assert ours["system"].startswith("fullgraph") and ours["output_tok_s"] > 0 and ours["tpot_p50_ms"] > 0
+    image = tmp_path / "serve.png"
+    main(["plot", "--inputs", *map(str, runs), "--out", str(image)])
+    assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and image.stat().st_size > 10_000
+    decode = tmp_path / "decode.json"
+    decode.write_text(json.dumps({"command": "decode", "rows": []}))
+    with pytest.raises(SystemExit):
+        main(["plot", "--inputs", str(runs[0]), str(decode), "--out", str(image)])
+    assert "mix decode and serve" in capsys.readouterr().err

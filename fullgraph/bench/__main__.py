@@ -67,10 +67,11 @@ def main(argv: list[str] | None = None, attention=None) -> None:
     s.add_argument("--shared-prefix", type=int, default=0, help="tokens of one system prompt every prompt starts with")
     s.add_argument("--prefix-caching", nargs="+", choices=["on", "off"], default=None,
                    help="engine runs to report (default: on and off with --shared-prefix, else on)")
-    g = sub.add_parser("plot", help="step time vs batch per mode and peer, from bench decode --out files")
-    g.add_argument("--inputs", nargs="+", required=True, help="bench decode JSON files")
-    g.add_argument("--context", type=int, default=1024, help="the context of the rows to draw")
-    g.add_argument("--out", default="decode.png", help="image to write")
+    g = sub.add_parser("plot", help="figures of bench decode (step time vs batch) or bench serve (throughput, "
+                                    "latency) --out files")
+    g.add_argument("--inputs", nargs="+", required=True, help="bench decode or bench serve JSON files (one kind)")
+    g.add_argument("--context", type=int, default=1024, help="decode: the context of the rows to draw")
+    g.add_argument("--out", default="bench.png", help="image to write")
     for p in (d, c, k, sub.choices["plan"], h, s):
         p.add_argument("--out", default=None, help="write the rows as JSON to this path (none: print the table only)")
     args = parser.parse_args(argv)
@@ -89,7 +90,8 @@ def main(argv: list[str] | None = None, attention=None) -> None:
     if args.out and args.command != "plot" and int(os.environ.get("RANK", 0)) == 0:
         with open(args.out, "w") as f:
             json.dump({"command": args.command, "device": torch.cuda.get_device_name() if torch.cuda.is_available()
-                       else "cpu", "torch": torch.__version__, "rows": rows}, f, indent=1)
+                       else "cpu", "torch": torch.__version__, "rows": rows,
+                       **{k: getattr(args, k) for k in ("preset", "rate") if hasattr(args, k)}}, f, indent=1)
         print(f"wrote {args.out}")
 
 
