@@ -235,9 +235,14 @@ class BlockAllocator:
         seq, qsl = plan.seq_lens[:nr], plan.query_start_loc
         context = seq - (qsl[1: nr + 1] - qsl[:nr])
         table = plan.block_table[:nr]
-        used = _arange(table.shape[1])[None, :] < ((seq + (bs - 1)) // bs)[:, None]   # pages each request uses
-        unallocated = used & (self._owners[table] == 0)
-        if np.count_nonzero(unallocated):
+        # every id in the table allocated (its padding, block 0, is not): then so is every used page,
+        # without building the (requests, width) mask of which pages each request uses
+        if np.count_nonzero(self._owners[table]) == np.count_nonzero(table):
+            unallocated = None
+        else:
+            used = _arange(table.shape[1])[None, :] < ((seq + (bs - 1)) // bs)[:, None]   # pages each request uses
+            unallocated = used & (self._owners[table] == 0)
+        if unallocated is not None and np.count_nonzero(unallocated):
             r, c = np.argwhere(unallocated)[0]
             raise ValueError(f"{who(int(r))}: block_ids: block {int(table[r, c])} (page {int(c)}) is not allocated "
                              "(never handed out by runner.blocks, or freed)")

@@ -51,6 +51,21 @@ def test_pages_never_allocated_or_freed_are_refused(primed):
     refused(runner, [fg.SeqChunk([5], 0, other)], f"block {other[0]} \\(page 0\\) is not allocated")
 
 
+def test_page_ledger_of_many_requests_checks_only_used_pages():
+    """Past four requests the ledger check is vectorised (and skips its per-page mask when every
+    listed page is allocated): a spare unallocated page past a request's used ones still runs, an
+    unallocated page it uses is refused, naming the chunk."""
+    runner = fg.FullGraphRunner(toy_model(), validate=True, **{**LIMITS, "max_num_seqs": 8})
+    lists = [runner.blocks.allocate(1) for _ in range(6)]
+    runner.step([fg.SeqChunk([i + 1, 2, 3], 0, ids) for i, ids in enumerate(lists)])
+    spare = runner.blocks.allocate(1)
+    runner.blocks.free(spare)
+    runner.step([fg.SeqChunk([5], 3, ids + (spare if i == 2 else [])) for i, ids in enumerate(lists)])
+    grows = [fg.SeqChunk(list(range(14)) if i == 4 else [5], 4, ids + (spare if i == 4 else []))
+             for i, ids in enumerate(lists)]                      # chunk 4 reaches position 17: page 1
+    refused(runner, grows, f"chunk 4: block_ids: block {spare[0]} \\(page 1\\) is not allocated")
+
+
 @pytest.mark.parametrize("chunk, match", [
     (fg.SeqChunk([7.9], 3, [1]), "token_ids: expected ints, got float 7.9"),
     (fg.SeqChunk(["7"], 3, [1]), "token_ids: expected ints, got str"),
