@@ -95,7 +95,8 @@ def read_chunks(chunks: Sequence[SeqChunk], config: RunnerConfig, num_blocks: in
         max_seq_len = int(ends.max())
         fits = len(tokens) <= config.max_num_tokens and min(q_list) > 0 and _all(n_blocks * bs >= ends)
     ok = (fits and max(nb_list) <= config.max_blocks_per_seq and min(start_list) >= 0
-          and max_seq_len <= config.max_model_len and (vocab_size is None or _in_range(tokens, 0, vocab_size))
+          and max_seq_len <= config.max_model_len and (vocab_size is None or _tokens_in_range(tokens, tok_lists, n,
+                                                                                               decode, vocab_size))
           and (checked or (_in_range(blocks, 1, num_blocks) and _distinct(blocks, num_blocks, shared))))
     if not ok:
         _explain(chunks, config, num_blocks, vocab_size, np.ones(n, np.int64) if decode else q_lens, starts,
@@ -116,6 +117,13 @@ def _count(chunks: Sequence[SeqChunk], config: RunnerConfig) -> int:
     if n > config.max_num_seqs:
         raise ValueError(f"{n} chunks in one step: more than max_num_seqs = {config.max_num_seqs}")
     return n
+
+
+def _tokens_in_range(tokens: np.ndarray, tok_lists: list, n: int, decode: bool, vocab_size: int) -> bool:
+    """Every token id in ``[0, vocab_size)``: a few decode tokens as Python ints, else one reduction."""
+    if decode and n <= FEW:
+        return all(0 <= ids[0] < vocab_size for ids in tok_lists)
+    return _in_range(tokens, 0, vocab_size)
 
 
 def _in_range(values: np.ndarray, lo: int, hi: int) -> bool:

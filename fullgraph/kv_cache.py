@@ -196,6 +196,12 @@ class BlockAllocator:
 
     def record_writes(self, slots: np.ndarray, block_size: int) -> None:
         """A step wrote these slots (``block * block_size + offset``, -1 skipped)."""
+        if len(slots) <= _FEW:   # a few decode tokens: Python ints (each numpy call costs a microsecond)
+            written = self.written
+            for slot in slots.tolist():
+                if slot >= 0 and written[slot // block_size] <= slot % block_size:
+                    written[slot // block_size] = slot % block_size + 1
+            return
         slots = slots[slots >= 0]
         np.maximum.at(self.written, slots // block_size, (slots % block_size + 1).astype(np.int32))
 

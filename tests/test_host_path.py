@@ -53,6 +53,19 @@ def test_planning_into_staging_arrays_writes_the_whole_padded_plan(seed):
     assert all(np.shares_memory(getattr(got, name), out[name]) for name in out)
 
 
+@pytest.mark.parametrize("n", [1, 4, 5])
+def test_decode_token_ids_outside_the_vocabulary_are_refused(n):
+    """A few decode tokens are range-checked as Python ints, more as one array reduction: both refuse
+    an id below 0 or at the vocabulary size, naming the chunk, and take numpy integers."""
+    for bad, chunk in ((-1, 0), (100, n - 1)):
+        tokens = [np.int64(7)] * n
+        tokens[chunk] = bad
+        chunks = [fg.SeqChunk([t], 3, [i + 1]) for i, t in enumerate(tokens)]
+        with pytest.raises(ValueError, match=f"chunk {chunk}: token_ids: token id {bad} outside the vocabulary"):
+            fg.plan_step(chunks, BIG, get_policy("sdpa"), vocab_size=100)
+    fg.plan_step([fg.SeqChunk([99], 3, [i + 1]) for i in range(n)], BIG, get_policy("sdpa"), vocab_size=100)
+
+
 @pytest.mark.parametrize("policy", [get_policy("sdpa"), TAIL_ONE], ids=["sdpa", "tail_one"])
 @pytest.mark.parametrize("n", [1, 5, 32, 64])
 def test_decode_batches_lay_out_like_the_naive_loop(n, policy):
