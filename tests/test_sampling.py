@@ -356,6 +356,22 @@ def test_topk_rows_match_reference_on_every_path(knobs):
         assert (state[listed] == 2).sum() >= 3, "lists past cand_block fall back"
 
 
+def test_chain_decides_rows_with_chunks_of_few_finite_logits():
+    """A chunk with no more finite logits than it lists (a structured-output mask, say) bounds the
+    rest by -inf: the chain still proves its links and decides the row."""
+    vocab = 2048
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(3))
+    logits[:, 512:1536] = -INF                                     # chunks 1 and 2 of 4 entirely masked
+    logits[1::2, 1024] = 2.0                                       # one finite token in chunk 2
+    params = make_params(6, top_p=torch.tensor([0.9, 0.9, 0.5, 0.5, 1.0, 1.0]), seed=torch.arange(6),
+                         device=torch.device("cpu"))
+    ws: dict = {}
+    assert run_kernel(logits, params, workspace=ws, block=512, num_chunks=4).tolist() == \
+        sample_reference(logits, **params).tolist()
+    assert (ws["zones"][:, 8] == 1).all()
+    assert not ws["list_f"][..., -1].isnan().any(), "a masked chunk's bound is -inf, not NaN"
+
+
 def test_chain_needs_the_runner_up_bound():
     """A chunk's list must bound the tokens it does not list, runner-ups of a position included.
     Built from the noise itself (block 32: position 0 of chunk 0 sees ids 0, 32, ..., 992): the

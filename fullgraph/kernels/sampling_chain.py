@@ -10,9 +10,11 @@ value ``t``, ``K`` lies inside ``{s > t}`` exactly when ``M(t) = sum of e over s
 draw leaves the set ``K`` with probability ``1 - top_p``, so the first or second link decides
 almost every row.
 
-Where the winners come from. The scan pass keeps, per chunk of the row, its ``LIST_TOP`` best
-scores ``s + g`` (with ids) and a bound every other token's score stays at or below: the best of
-what is left, or the runner-up of any position (a position sees several tokens in turn). ``w_j``
+Where the winners come from. The scan pass keeps, per chunk of the row, the ``LIST_TOP`` tokens
+with the best scores ``s + g`` (ranked by a cheap noise within 1e-5 of the exact one, then scored
+exactly) and a bound every other token's exact score stays at or below: the best rough score of
+what is left, or the runner-up of any position (a position sees several tokens in turn), plus the
+rough noise's error (``_slack``). ``w_j``
 is the best listed token above ``t_j``, and it is the true winner when its score beats every
 chunk's bound. One pass over the row (in the level-1 launch) then sums ``Z`` and the masses above
 the first ``CHAIN`` links, and the row's last program decides: the first link under the mass
@@ -68,7 +70,7 @@ def _rough_noise(start, seed, offset, BLOCK: tl.constexpr, FAST: tl.constexpr):
 def _slack(v):
     """How far a score from ``_rough_noise`` can lie from the exact one: its error, the two
     roundings of ``s + g`` and a margin (-inf stays -inf)."""
-    return v + (1e-4 + 4e-7 * tl.abs(v))
+    return tl.where(v > NEG_INF, v + (1e-4 + 4e-7 * tl.abs(v)), v)
 
 
 @triton.jit
