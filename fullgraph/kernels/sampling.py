@@ -7,13 +7,16 @@ Philox4x32-10 noise keyed on the seed, counter ``(v >> 2, offset lo, offset hi, 
 
 Algorithm: rows are split into C chunks; passes of (R, C) programs, then one of R programs. Rows
 with top-p alone or no filter ("chain rows") are decided in the first two (``sampling_chain``);
-rows with top-k or min-p take the histogram path through all five.
+rows with a top-k up to TOP_VALUES x C ("top-k rows", with or without top-p and min-p) list their
+candidates in the first two for pass 5 (``sampling_topk``); the other filtered rows (min-p, a
+larger top-k) and rows of either kind that fall back take the histogram path.
 1. ``_scan_kernel``: per chunk, the max and lowest argmax of the raw logits (NaN as -inf). The greedy
    answer, and ``s_max = max * (1 / T)`` (the scaling is monotone). Chain rows also list the chunk's
-   best Gumbel scores and a bound of the rest.
+   best Gumbel scores and a bound of the rest; top-k rows a few of the chunk's largest values.
 2. ``_hist_kernel`` level 1. Chain rows: Z and the masses above the chain's first links; the row's
-   last program decides the token or sends the row to the histogram path (from launch 3).
-   Rows with top-k or top-p: each token's ``d = s_max - s`` falls
+   last program decides the token or sends the row to the histogram path (from launch 3). Top-k
+   rows: the ids of the tokens at or above the k-th largest listed value, as pass 5's list.
+   Rows on the histogram path: each token's ``d = s_max - s`` falls
    in bucket ``floor(d * BPN)`` of 1/BPN nat (the last also takes d >= (NB - 1) / BPN, -inf and
    lanes past V): a count histogram per row (``tl.histogram``, one atomic add per program) and
    ``Z = sum exp(s - s_max)``. The row's last program to finish derives the zones: buckets
@@ -24,12 +27,12 @@ rows with top-k or min-p take the histogram path through all five.
    that zone split ``sub`` times finer (a power of two, so bucket edges stay exact), on top of the
    exact count and mass of the tokens above it. Positions ("pos") are level-2 buckets for such rows.
    Chain rows that fell back run level 1 here (and no level 2: pass 5 narrows a wide zone itself).
-4. ``_compact_kernel`` (rows the chain did not decide): sums the exact mass of the surely-kept zone,
+4. ``_compact_kernel`` (rows on the histogram path): sums the exact mass of the surely-kept zone,
    takes the Gumbel winner among its
    min-p survivors (noise only for blocks that hold one), and writes the ids of the undecided tokens
    (``b_hi <= pos <= b_lo``) to the chunk's segment of ``cand``.
 5. ``_select_kernel``: the chain's token where it decided; otherwise exact ``v_k`` and ``v_p`` over
-   the undecided tokens by a search on the
+   the undecided (or top-k-listed) tokens by a search on the
    order-preserving int32 key of s (counts, then masses, on top of the surely-kept zone's), the
    winner among the kept ones against the surely-kept winner; greedy rows take pass 1's argmax.
    Up to CAND_BLOCK undecided tokens are searched in registers. More are first narrowed with exact
@@ -46,9 +49,9 @@ workspaces come from shapes, every decision is made on the device.
 
 Measured (V = 128256, per call in a CUDA graph, ``benchmarks/bench_sampling.py``; BENCHMARKS.md
 has the tables): before the chain, top-p 0.9 cost 107 / 193 us at batch 32 / 64 on an H200 (the
-histogram path: level-1 histogram 24, level-2 28, compact 30-56 us); with it 33 / 47 us on an
-H100 (scan 14, check 13, three passes with nothing to do 2 us each). Top-k 50 + top-p 0.95 keeps
-the histogram path: 69 / 112 us.
+histogram path: level-1 histogram 24, level-2 28, compact 30-56 us); with it 32 / 47 us (scan 14,
+check 12.5, three passes with nothing to do 1.3-2.2 us each). Top-k 50 + top-p 0.95: 69 / 116 us on
+the histogram path, 44-45 / 57-58 with the top-k list (scan 8.7, listing 15.3, select 14.8).
 
 Layout contract:
     logits:        (R, V) float32/bf16/fp16, ``stride(-1) == 1``
