@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from bench_sampling import time_calls  # benchmarks/ is the script's directory
 from fullgraph.kernels.sampling_common import _noise_block, _philox_words
 
 VOCAB = 128_256
@@ -105,24 +106,7 @@ def run(rows: int, name: str, inputs: list[torch.Tensor], reps: int = 4) -> floa
     def call(x):
         _pass[(rows, c)](x, out, hist, cand, VOCAB, chunk, c, x.stride(0), KIND=kind, NB=nb, BLOCK=BLOCK,
                          num_warps=4)
-    for x in inputs:
-        call(x)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            for x in inputs:
-                call(x)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(7):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (reps * len(inputs)))
-    return sorted(times)[len(times) // 2]
+    return time_calls(call, inputs, reps)
 
 
 def main() -> None:

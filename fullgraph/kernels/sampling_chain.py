@@ -29,7 +29,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .sampling_common import INT_MAX, NEG_INF, _noise_at, _philox_words
+from .sampling_common import (INT_MAX, NEG_INF, _finite_or_neg_inf, _max_and_first, _noise_at, _philox_words,
+                              _scaled, _track_max)
 
 LIST_TOP = 2   # best scores a chunk lists (H100, batch 32 and 64: 2 is 3-7 us faster than 4, no fallbacks)
 CHAIN = 4      # links whose masses the check pass sums (1, 2 or 4)
@@ -95,16 +96,14 @@ def _scan_chain(x_row, row_part, list_f, list_i, c, chunk, vocab, inv_t, seed, o
     for off in range(0, chunk, BLOCK):
         start = c * chunk + off
         idx = start + tl.arange(0, BLOCK)
-        x = nxt.to(tl.float32)
+        x = _finite_or_neg_inf(nxt)
         nxt = tl.load(x_row + idx + BLOCK, mask=idx + BLOCK < end, other=NEG_INF)
-        x = tl.where(x == x, x, NEG_INF)
-        arg = tl.where(x > best, idx, arg)
-        best = tl.maximum(best, x)
+        best, arg = _track_max(x, idx, best, arg)
         score = x * inv_t + _rough_noise(start, seed, offset, BLOCK, FAST)
         run = tl.maximum(run, tl.minimum(score, win))
         wid = tl.where(score > win, idx, wid)
         win = tl.maximum(win, score)
-    m = tl.max(best, 0)
+    m, first = _max_and_first(best, arg)
     tl.store(row_part, m)
     i = tl.arange(0, T)
     ids = tl.zeros([T], tl.int32) + INT_MAX
@@ -116,13 +115,12 @@ def _scan_chain(x_row, row_part, list_f, list_i, c, chunk, vocab, inv_t, seed, o
         win = tl.where(wid == top_id, NEG_INF, win)
     ids = tl.sort(ids)                                # id order: see _links
     listed = ids < vocab
-    x = tl.load(x_row + ids, mask=listed, other=NEG_INF).to(tl.float32)
-    s = tl.where(x == x, x, NEG_INF) * inv_t
+    s = _scaled(x_row, ids, vocab, inv_t)            # unlisted ids (INT_MAX) read as -inf
     tl.store(list_f + i, tl.where(listed, s + _noise_at(tl.where(listed, ids, 0), seed, offset), NEG_INF))
     tl.store(list_f + T + i, s)
     tl.store(list_i + i, ids)
     tl.store(list_f + 2 * T, _slack(tl.max(tl.maximum(win, run), 0)))
-    return tl.min(tl.where(best == m, arg, INT_MAX), 0)
+    return first
 
 
 @triton.jit
@@ -178,10 +176,9 @@ def _check_chain(x_row, chain_f_ptr, list_f_ptr, list_i_ptr, zrow, s_max, row, c
         a2 = tl.zeros([BLOCK], tl.float32)
         a3 = tl.zeros([BLOCK], tl.float32)
         for off in range(0, chunk, BLOCK):
-            x = nxt.to(tl.float32)
+            s = _finite_or_neg_inf(nxt) * inv_t
             idx = c * chunk + off + BLOCK + tl.arange(0, BLOCK)          # the next block, loaded ahead
             nxt = tl.load(x_row + idx, mask=idx < end, other=NEG_INF)
-            s = tl.where(x == x, x, NEG_INF) * inv_t
             e = tl.exp(s - s_max)
             z += e
             a0 += tl.where(s > v0, e, 0.0)

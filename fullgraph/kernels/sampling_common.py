@@ -70,9 +70,35 @@ def _unkey(k):
 
 
 @triton.jit
+def _finite_or_neg_inf(x):
+    """Logits as float32, NaN as -inf."""
+    x = x.to(tl.float32)
+    return tl.where(x == x, x, NEG_INF)
+
+
+@triton.jit
+def _raw(x_row, idx, vocab):
+    """The logits at ``idx`` as float32 (NaN and lanes past V as -inf)."""
+    return _finite_or_neg_inf(tl.load(x_row + idx, mask=idx < vocab, other=NEG_INF))
+
+
+@triton.jit
 def _scaled(x_row, idx, vocab, inv_t):
-    x = tl.load(x_row + idx, mask=idx < vocab, other=NEG_INF).to(tl.float32)
-    return tl.where(x == x, x, NEG_INF) * inv_t
+    return _raw(x_row, idx, vocab) * inv_t
+
+
+@triton.jit
+def _track_max(x, idx, best, arg):
+    """Per lane, the running max and its first index (a lane's ids grow, so ">" keeps the lowest):
+    one reduction after a row pass's loop (``_max_and_first``), not two a step."""
+    return tl.maximum(best, x), tl.where(x > best, idx, arg)
+
+
+@triton.jit
+def _max_and_first(best, arg):
+    """The chunk's max and its lowest index, from ``_track_max``'s lanes."""
+    m = tl.max(best, 0)
+    return m, tl.min(tl.where(best == m, arg, INT_MAX), 0)
 
 
 @triton.jit

@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .sampling_common import INT_MAX, NEG_INF
+from .sampling_common import INT_MAX, NEG_INF, _max_and_first, _raw, _scaled, _track_max
 
 TOP_VALUES = 8   # values a chunk lists (k up to TOP_VALUES * chunks takes this path)
 LISTED = tl.constexpr(3)   # zones STATE of a row whose candidates are listed (see sampling_chain.STATE)
@@ -38,14 +38,12 @@ def _scan_values(x_row, row_part, values, c, chunk, vocab, inv_t, BLOCK: tl.cons
     run = tl.full([BLOCK], NEG_INF, tl.float32)
     for off in range(0, chunk, BLOCK):
         idx = c * chunk + off + tl.arange(0, BLOCK)
-        x = tl.load(x_row + idx, mask=idx < vocab, other=NEG_INF).to(tl.float32)
-        x = tl.where(x == x, x, NEG_INF)
-        arg = tl.where(x > best, idx, arg)
-        best = tl.maximum(best, x)
+        x = _raw(x_row, idx, vocab)
+        best, arg = _track_max(x, idx, best, arg)
         s = x * inv_t
         run = tl.maximum(run, tl.minimum(s, win))
         win = tl.maximum(win, s)
-    m = tl.max(best, 0)
+    m, first = _max_and_first(best, arg)
     tl.store(row_part, m)
     for i in tl.static_range(TK):
         top = tl.max(win, 0)
@@ -53,7 +51,7 @@ def _scan_values(x_row, row_part, values, c, chunk, vocab, inv_t, BLOCK: tl.cons
         hit = win == top                              # every position holding it gives its runner-up
         win = tl.where(hit, run, win)
         run = tl.where(hit, NEG_INF, run)
-    return tl.min(tl.where(best == m, arg, INT_MAX), 0)
+    return first
 
 
 @triton.jit
@@ -69,8 +67,7 @@ def _list_topk(x_row, values_ptr, part_f_ptr, part_i_ptr, cand_ptr, zrow, row, c
     n = 0
     for off in range(0, chunk, BLOCK):
         idx = c * chunk + off + tl.arange(0, BLOCK)
-        x = tl.load(x_row + idx, mask=idx < vocab, other=NEG_INF).to(tl.float32)
-        s = tl.where(x == x, x, NEG_INF) * inv_t
+        s = _scaled(x_row, idx, vocab, inv_t)
         keep = (s >= floor_v) & (s > NEG_INF)
         n_blk = tl.sum(keep.to(tl.int32), 0)
         if n_blk > 0:
