@@ -13,9 +13,11 @@ from .padding import PaddingPolicy
 from .plan import SeqChunk, StepPlan, plan_step
 from .runner import FullGraphRunner, StepOutput
 from . import debug, parallel, testing  # noqa: E402  (need the runner)
-from .engine import LLM, CompletionOutput, Engine, RequestOutput, SamplingParams, Structured  # noqa: E402
+from .engine import (LLM, CompletionOutput, Engine, RequestOutput, RequestOutputKind, SamplingParams,  # noqa: E402
+                     Structured)
 
 __all__ = ["FullGraphRunner", "RunnerConfig", "SeqChunk", "StepPlan", "StepOutput", "CaptureReport",
            "PaddingPolicy", "plan_step", "padding", "models", "attention", "debug", "parallel", "testing",
-           "LLM", "Engine", "SamplingParams", "Structured", "RequestOutput", "CompletionOutput"]
+           "LLM", "Engine", "SamplingParams", "Structured", "RequestOutput", "RequestOutputKind",
+           "CompletionOutput"]
 __version__ = "0.1.0"

@@ -1,6 +1,8 @@
 """fg.LLM / fg.Engine: continuous batching, sampling inside the graph, stops, preemption, aborts."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -191,6 +193,64 @@ def test_streaming_outputs_carry_the_new_tokens():
             seen += out.outputs[0].delta_token_ids
             final = out
     assert seen == final.outputs[0].token_ids and final.finished and final.metrics.time_to_first_token > 0
+
+
+
+def _stream(engine, kinds: dict[str, str], prompts, params) -> dict[str, list]:
+    """Every output ``engine.step`` returns, per request, for requests of the given output kinds."""
+    for (rid, kind), prompt in zip(kinds.items(), prompts):
+        engine.add_request(rid, prompt, dataclasses.replace(params, output_kind=kind))
+    seen = {rid: [] for rid in kinds}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id in seen:
+                seen[out.request_id].append(out)
+    return seen
+
+
+def test_output_kinds_cumulative_delta_and_final_only_carry_the_same_tokens_and_logprobs():
+    llm = make_llm(max_logprobs=2)
+    params = fg.SamplingParams(temperature=0.8, seed=5, max_tokens=9, logprobs=2)
+    prompts = [PROMPTS[1], PROMPTS[1], PROMPTS[1], PROMPTS[3]]
+    seen = _stream(llm.engine, {"c": "cumulative", "d": fg.RequestOutputKind.DELTA, "f": "final_only",
+                                "plain": "delta"}, prompts, params)
+    cumulative = seen["c"][-1].outputs[0]
+    assert len(seen["c"]) == len(seen["d"]) == 9 and [o.finished for o in seen["d"]] == [False] * 8 + [True]
+    delta = [o.outputs[0] for o in seen["d"]]
+    assert all(len(c.token_ids) == 1 and c.token_ids == c.delta_token_ids and len(c.logprobs) == 1 for c in delta)
+    assert [t for c in delta for t in c.token_ids] == cumulative.token_ids
+    assert [lp for c in delta for lp in c.logprobs] == cumulative.logprobs
+    assert delta[-1].finish_reason == "length" == cumulative.finish_reason
+    assert len(seen["f"]) == 1 and seen["f"][0].finished
+    final = seen["f"][0].outputs[0]
+    assert final.token_ids == cumulative.token_ids and final.logprobs == cumulative.logprobs
+    # a cumulative output is the caller's: the engine's later steps do not grow it
+    assert [len(o.outputs[0].token_ids) for o in seen["c"]] == list(range(1, 10))
+    assert llm.runner.blocks.num_free == llm.runner.config.num_blocks - 1
+
+
+def test_generate_returns_final_outputs_whatever_kind_its_params_ask_for(llm, reference):
+    outs = llm.generate(PROMPTS, dataclasses.replace(GREEDY, output_kind="delta"))
+    assert tokens(outs) == reference and all(o.finished for o in outs)
+    with pytest.raises(ValueError, match="SamplingParams.output_kind: expected a RequestOutputKind"):
+        fg.SamplingParams(output_kind="streaming")
+
+
+def test_logprobs_of_a_request_that_joins_a_running_batch_are_its_own():
+    """The logprob outputs are fetched only while some request wants them: one that joins a batch
+    running without them gets the logprobs the same request gets alone."""
+    llm = make_llm(max_logprobs=2)
+    alone = llm.generate([PROMPTS[2]], fg.SamplingParams(temperature=0, max_tokens=5, logprobs=2))[0].outputs[0]
+    engine = llm.engine
+    engine.add_request("long", PROMPTS[3], fg.SamplingParams(temperature=0, max_tokens=20))
+    for _ in range(6):
+        engine.step()
+    seen = _stream(engine, {"joined": "final_only"}, [PROMPTS[2]],
+                   fg.SamplingParams(temperature=0, max_tokens=5, logprobs=2))["joined"][0].outputs[0]
+    assert seen.token_ids == alone.token_ids
+    for got, want in zip(seen.logprobs, alone.logprobs):
+        assert got.keys() == want.keys() and all(abs(got[t] - want[t]) < 1e-5 for t in got)
+    assert not engine._with_logprobs
 
 
 @pytest.mark.gpu

@@ -17,7 +17,7 @@ import time
 import numpy as np
 import torch
 
-from ..engine import Engine, SamplingParams
+from ..engine import Engine, RequestOutputKind, SamplingParams
 from ..models import presets
 from ..runner import FullGraphRunner
 
@@ -48,7 +48,9 @@ def engine_runner(args, model) -> FullGraphRunner:
 def run_engine(args, runner: FullGraphRunner, prompts, arrivals, caching: bool) -> dict:
     runner.reset()  # every page free: the runs with caching on and off start alike
     engine = Engine(runner, seed=args.seed, enable_prefix_caching=caching)
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True)
+    # every step's new tokens, as the HTTP server's engine process asks for them (streaming)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
     start, queued, done, outputs = time.perf_counter(), 0, 0, {}
     while done < len(prompts):
         now = time.perf_counter() - start
@@ -65,11 +67,11 @@ def run_engine(args, runner: FullGraphRunner, prompts, arrivals, caching: bool) 
                 _progress(done, len(prompts), start)
     seconds = time.perf_counter() - start
     ttft = [o.metrics.first_token_time - start - arrivals[int(o.request_id)] for o in outputs.values()]
-    tpot = [(o.metrics.finished_time - o.metrics.first_token_time) / max(1, len(o.outputs[0].token_ids) - 1)
+    tpot = [(o.metrics.finished_time - o.metrics.first_token_time) / max(1, o.metrics.num_generated_tokens - 1)
             for o in outputs.values()]
     stats = engine.stats()
     row = _row(f"fullgraph (prefix caching {'on' if caching else 'off'})", seconds, prompts,
-               [len(o.outputs[0].token_ids) for o in outputs.values()], ttft, tpot, runner.stats()["eager_fallbacks"])
+               [o.metrics.num_generated_tokens for o in outputs.values()], ttft, tpot, runner.stats()["eager_fallbacks"])
     row.update(prefill_tokens=stats["prefill_tokens"], hit_rate=stats["prefix_cache_hit_rate"],
                cached_tokens=sum(o.num_cached_tokens for o in outputs.values()))
     return row

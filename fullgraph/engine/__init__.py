@@ -3,7 +3,7 @@
 batching policy."""
 from .engine import Engine
 from .llm import LLM, load_tokenizer
-from .params import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
+from .params import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind, SamplingParams
 from .structured import Structured
 
-__all__ = ["CompletionOutput", "Engine", "LLM", "RequestMetrics", "RequestOutput", "SamplingParams", "Structured", "load_tokenizer"]
+__all__ = ["CompletionOutput", "Engine", "LLM", "RequestMetrics", "RequestOutput", "RequestOutputKind", "SamplingParams", "Structured", "load_tokenizer"]

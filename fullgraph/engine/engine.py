@@ -25,12 +25,13 @@ import torch
 from ..plan import SeqChunk
 from ..runner import FullGraphRunner
 from .pages import PrefixCache, kv_key
-from .params import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
+from .params import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind, SamplingParams
 from .scheduler import Request, Scheduler
 from .text import RequestText, tokenizer_token_bytes
 
 
 _ONE = (0,)  # the one token of a chunk whose id the graph reads from the previous step's sample
+_DELTA, _FINAL_ONLY = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
 
 
 class _Fetch:
@@ -42,20 +43,24 @@ class _Fetch:
         self._host = [{name: torch.empty_like(t, device="cpu", pin_memory=cuda) for name, t in
                        runner.buffers.outputs.items()} for _ in range(2)]
         self._events = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        self._names: list[tuple[str, ...]] = [(), ()]
         self._next = 0
 
     def start(self, outputs: dict[str, torch.Tensor]) -> int:
         i, self._next = self._next, self._next ^ 1
         for name, t in outputs.items():
             self._host[i][name][: len(t)].copy_(t, non_blocking=True)
+        self._names[i] = tuple(outputs)
         if self._events[i] is not None:
             self._events[i].record()
         return i
 
     def wait(self, handle: int, rows: int) -> dict[str, np.ndarray]:
+        """The outputs ``start`` copied (by name), their first ``rows`` rows."""
         if self._events[handle] is not None:
             self._events[handle].synchronize()
-        return {name: t[:rows].numpy() for name, t in self._host[handle].items()}
+        host = self._host[handle]
+        return {name: host[name][:rows].numpy() for name in self._names[handle]}
 
 
 @dataclass
@@ -94,6 +99,7 @@ class Engine:
         self.scheduler = Scheduler(runner.blocks, cfg.block_size, cfg.max_num_seqs, cfg.max_num_tokens,
                                    self.prefix_cache)
         self._requests: dict[str, Request] = {}
+        self._with_logprobs: set[str] = set()   # unfinished requests that asked for logprobs
         self._seeds = np.random.default_rng(seed)
         self._fetch = _Fetch(runner)
         self._inflight: _Launched | None = None
@@ -137,6 +143,8 @@ class Engine:
                           RequestMetrics(time.perf_counter(), num_prompt_tokens=len(ids)), max_len,
                           logprobs=[] if params.logprobs is not None else None, matcher=matcher)
         self._requests[request.request_id] = request
+        if params.logprobs is not None:
+            self._with_logprobs.add(request.request_id)
         self.scheduler.add(request)
 
     def _prompt_ids(self, who: str, prompt) -> tuple[str | None, list[int]]:
@@ -190,6 +198,7 @@ class Engine:
         if request is None:
             raise ValueError(f"request {request_id!r}: request_id: no such unfinished request")
         request.finish_reason = "abort"
+        self._with_logprobs.discard(request.request_id)
         self.scheduler.remove(request)
 
     def has_unfinished(self) -> bool:
@@ -235,8 +244,11 @@ class Engine:
         if self.runner.config.structured:
             self._masks(slots, values)
         out = self.runner.step(chunks, values=values)
-        handle = self._fetch.start({k: v for k, v in (("token_ids", out.token_ids), ("logprobs", out.logprobs),
-                                                      ("top_ids", out.top_ids)) if v is not None})
+        # the logprob outputs travel only while a request wants them (two copies fewer a step)
+        fetch = {"token_ids": out.token_ids}
+        if self._with_logprobs and out.logprobs is not None:
+            fetch.update(logprobs=out.logprobs, top_ids=out.top_ids)
+        handle = self._fetch.start(fetch)
         rows = []
         for slot in slots:
             request = slot.request
@@ -259,6 +271,7 @@ class Engine:
 
     def _collect(self, launched: _Launched) -> list[RequestOutput]:
         got = self._fetch.wait(launched.handle, len(launched.rows))
+        tokens = got["token_ids"].tolist()
         now, outputs = time.perf_counter(), []
         for i, request in enumerate(launched.rows):
             if request is None:
@@ -266,10 +279,12 @@ class Engine:
             request.pending -= 1
             if request.finished:  # finished at the step before: this token is the surplus of the overlap
                 continue
-            outputs.append(self._take(request, int(got["token_ids"][i]), got, i, now))
+            out = self._take(request, tokens[i], got, i, now)
+            if out is not None:
+                outputs.append(out)
         return outputs
 
-    def _take(self, request: Request, token: int, got: dict, row: int, now: float) -> RequestOutput:
+    def _take(self, request: Request, token: int, got: dict, row: int, now: float) -> RequestOutput | None:
         request.outputs.append(token)
         m = request.metrics
         m.first_token_time = m.first_token_time or now
@@ -286,8 +301,11 @@ class Engine:
                 delta += request.text.finish()
             m.finished_time = now
             self._requests.pop(request.request_id, None)
+            self._with_logprobs.discard(request.request_id)
             self.scheduler.remove(request)
-        return self._output(request, delta, [token])
+        elif request.params.output_kind is _FINAL_ONLY:
+            return None
+        return self._output(request, delta, token)
 
     def _check_finish(self, request: Request, token: int) -> None:
         p, grammar = request.params, request.matcher
@@ -310,10 +328,15 @@ class Engine:
             if grammar is not None and not grammar.accepting:
                 request.stop_reason = "grammar_incomplete"  # the constraint could not be met in max_tokens
 
-    def _output(self, request: Request, delta: str, delta_ids: list[int]) -> RequestOutput:
-        completion = CompletionOutput(0, request.text.text if request.text is not None else "", list(request.outputs),
-                                      request.finish_reason, request.stop_reason,
-                                      list(request.logprobs) if request.logprobs is not None else None, delta,
-                                      delta_ids)
+    def _output(self, request: Request, delta: str, token: int) -> RequestOutput:
+        if request.params.output_kind is _DELTA:
+            completion = CompletionOutput(0, delta, [token], request.finish_reason, request.stop_reason,
+                                          request.logprobs[-1:] if request.logprobs is not None else None, delta,
+                                          [token])
+        else:  # cumulative (and a final-only request's one output): copies, the caller's to keep
+            completion = CompletionOutput(0, request.text.text if request.text is not None else "",
+                                          list(request.outputs), request.finish_reason, request.stop_reason,
+                                          list(request.logprobs) if request.logprobs is not None else None, delta,
+                                          [token])
         return RequestOutput(request.request_id, request.prompt, request.prompt_out, [completion],
                              request.finished, request.metrics, request.metrics.num_cached_tokens)

@@ -1,6 +1,7 @@
 """LLM: the one-line front of the engine (vLLM's ``LLM(...).generate(prompts, SamplingParams(...))``)."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -11,7 +12,7 @@ from torch import nn
 from ..models import from_pretrained
 from ..runner import FullGraphRunner
 from .engine import Engine
-from .params import RequestOutput, SamplingParams
+from .params import RequestOutput, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("fullgraph")
 
@@ -106,6 +107,12 @@ class LLM:
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"params: {len(params)} SamplingParams for {len(prompts)} prompts (give one, or one each)")
+        # one output per request, when it finishes (no per-step copies of a growing output); a
+        # params object shared by the prompts is copied once (anything else add_request refuses)
+        final = {id(p): dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+                 for p in params if isinstance(p, SamplingParams)}
+        final[id(None)] = SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY)
+        params = [final.get(id(p), p) for p in params]
         ids = [str(self._next_id + i) for i in range(len(prompts))]
         self._next_id += len(prompts)
         queued = []  # every request is validated; one refused takes the others back out

@@ -1,9 +1,22 @@
 """SamplingParams (vLLM's names and defaults) and the outputs a request produces."""
 from __future__ import annotations
 
+import enum
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+
+class RequestOutputKind(enum.Enum):
+    """What ``Engine.step`` returns for a request (vLLM's names): ``CUMULATIVE``, an output every
+    step with the whole text and token ids so far; ``DELTA``, an output every step with only what
+    the step added (``text`` / ``token_ids`` / ``logprobs`` equal the ``delta_`` fields); ``FINAL_ONLY``,
+    one output, cumulative, when the request finishes (``LLM.generate`` asks for this: no
+    per-token copies of a growing output)."""
+
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
 
 
 def _number(value, name: str, kind=numbers.Real):
@@ -26,6 +39,7 @@ class SamplingParams:
     unless ``ignore_eos``, the checkpoint's eos ids end it too. ``logprobs``: return the sampled
     token's logprob and the top ``logprobs`` of each step (needs ``LLM(max_logprobs=...)`` at least that).
     ``structured``: constrain the output (``fullgraph.Structured``; needs ``LLM(structured=True)``).
+    ``output_kind``: a ``RequestOutputKind`` or its value (``"cumulative"``, ``"delta"``, ``"final_only"``).
     """
 
     n: int = 1
@@ -42,6 +56,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured: object = None   # a fullgraph.Structured: JSON schema / regex / grammar / choice
+    output_kind: RequestOutputKind | str = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if _number(self.n, "n", numbers.Integral) != 1:
@@ -70,6 +85,13 @@ class SamplingParams:
         if self.structured is not None and type(self.structured).__name__ != "Structured":
             raise ValueError(f"SamplingParams.structured: expected a fullgraph.Structured, got "
                              f"{type(self.structured).__name__}")
+        try:
+            kind = RequestOutputKind(self.output_kind.value if isinstance(self.output_kind, RequestOutputKind)
+                                     else self.output_kind)
+        except (ValueError, TypeError):
+            raise ValueError(f"SamplingParams.output_kind: expected a RequestOutputKind or one of "
+                             f"{[k.value for k in RequestOutputKind]}, got {self.output_kind!r}") from None
+        object.__setattr__(self, "output_kind", kind)
         object.__setattr__(self, "stop", tuple(stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids))
 

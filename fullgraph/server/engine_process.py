@@ -33,9 +33,9 @@ import logging
 import multiprocessing
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from ..engine import CompletionOutput, RequestMetrics, RequestOutput, SamplingParams
+from ..engine import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind, SamplingParams
 from .loop import EngineFailed, Sink, Snapshot, _deliver, _settle
 from .metrics import ServerMetrics
 
@@ -139,7 +139,8 @@ def _main(config, conn) -> None:
             added = []
             try:
                 for rid, prompt, params in items:
-                    engine.add_request(rid, prompt, params)
+                    # only each step's new tokens cross to the server (it keeps the whole output)
+                    engine.add_request(rid, prompt, replace(params, output_kind=RequestOutputKind.DELTA))
                     added.append(rid)
             except Exception as err:  # noqa: BLE001 (a ValueError is the client's; anything else is ours)
                 for rid in added:
