@@ -1,13 +1,14 @@
 """Our weight-streaming linear (``fullgraph.kernels.linear``) against cuBLAS at decode shapes.
 
-    PYTHONPATH=. python benchmarks/sweep_linear.py [--rows 1 16] [--norm] [--out sweep_linear.json]
+    PYTHONPATH=. python benchmarks/sweep_linear.py [--rows 1 16] [--norm] [--skinny] [--out sweep_linear.json]
 
 GPU script: prints, per weight shape (llama-1b, SmolLM2-135M, Llama-8B and Phi-3-Small layers) and
 per row count, cuBLAS (``F.linear``) and every launch configuration of ours (BLOCK_N x BLOCK_K,
 warps, weight tiles prefetched before the PDL wait, pipeline stages), best first; writes JSON; never
 asserts on time. ``--norm``: the product of the RMS-normalised input, ours with the norm on load
 against the norm kernel + cuBLAS (``kernels.linear_choice.unfused``, what a runner measures it
-against). Each timing is a CUDA graph of back-to-back calls cycling over weight copies (>= 256 MB,
+against). ``--skinny``: for more than one row, the split-K kernel (``kernels.skinny_linear``) instead,
+over BLOCK_N x BLOCK_K x SPLIT_K x warps x stages and its own default (``default``). Each timing is a CUDA graph of back-to-back calls cycling over weight copies (>= 256 MB,
 so every call reads HBM, as in a real step). TB/s = weight bytes / time.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ from triton.runtime.errors import OutOfResources
 
 import bench_linear  # this directory is on sys.path when run as a script
 from bench_linear import HBM_BYTES
+from fullgraph.kernels import skinny_linear
 from fullgraph.kernels.linear import NO_LIMIT, launch
 from fullgraph.kernels.linear_choice import unfused
 
@@ -40,6 +42,10 @@ def time_calls(fn, weights) -> float:
 
 
 def configs(m: int, args) -> list[tuple[int, ...]]:
+    if m > 1 and args.skinny:
+        grid = itertools.product(args.skinny_block_n, args.skinny_block_k, args.skinny_split, args.warps_rows,
+                                 args.stages)
+        return [None] + list(grid)   # None: the kernel's own launch_config
     if m == 1:
         grid = itertools.product(args.block_n, args.block_k, args.warps, args.prefetch, [1])
         return [c for c in grid if c[0] * c[1] <= 32768]
@@ -60,6 +66,10 @@ def main() -> None:
     p.add_argument("--warps-rows", type=int, nargs="+", default=[4])
     p.add_argument("--stages", type=int, nargs="+", default=[3, 4])
     p.add_argument("--norm", action="store_true", help="time the RMSNorm-on-load forms instead")
+    p.add_argument("--skinny", action="store_true", help="more than one row: the split-K kernel's configurations")
+    p.add_argument("--skinny-block-n", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--skinny-block-k", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--skinny-split", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--out", default="sweep_linear.json")
     args = p.parse_args()
     dev, rows = torch.device("cuda"), []
@@ -78,9 +88,10 @@ def main() -> None:
             if g is not None:
                 results.append(("norm+cublas", time_calls(lambda w, b: unfused(x, w, b, "none", NO_LIMIT, g, 1e-5, None),
                                                           weights)))
+            ours = skinny_linear.launch if m > 1 and args.skinny else launch
             for cfg in configs(m, args):
                 try:
-                    got = launch(x, w0, b0, config=cfg, norm_weight=g, eps=1e-5)
+                    got = ours(x, w0, b0, config=cfg, norm_weight=g, eps=1e-5)
                 except OutOfResources as e:  # e.g. 64 rows x 4 stages of shared memory
                     print(f"  {name} m={m} {cfg}: {e}, skipped")
                     continue
@@ -88,8 +99,10 @@ def main() -> None:
                 if err > 0.05:
                     print(f"  {name} m={m} {cfg}: max error {err:.3g}, skipped")
                     continue
-                us = time_calls(lambda w, b: launch(x, w, b, config=cfg, norm_weight=g, eps=1e-5), weights)
-                results.append(("x".join(map(str, cfg)), us))
+                us = time_calls(lambda w, b: ours(x, w, b, config=cfg, norm_weight=g, eps=1e-5), weights)
+                label = "default " + "x".join(map(str, skinny_linear.launch_config(m, n, k, torch.cuda.get_device_properties(
+                    dev).multi_processor_count))) if cfg is None else "x".join(map(str, cfg))
+                results.append((label, us))
             results.sort(key=lambda r: r[1])
             mb = n * k * 2 / 1e6
             base = dict(results)["norm+cublas" if g is not None else "cublas"]

@@ -18,7 +18,10 @@ variable                          effect                                        
                                   weight tile)
 ``FULLGRAPH_COMPILE_WORKERS=N``   threads compiling Triton kernels ahead (0: off)     at each capture
 ``FULLGRAPH_LINEAR=IMPL``         linears of 2-64 rows: ``auto`` (cuBLAS on CUDA, the       once
-                                  default), ``triton`` or ``cublas``
+                                  default), ``triton``, ``skinny`` (the split-K
+                                  weight-streaming kernel, with the decoder layer's
+                                  norm and residual fused as in one-row steps) or
+                                  ``cublas``
 ``FULLGRAPH_FUSE=A,B``            decoder-layer fusions, default ``layer,rope``             once
                                   (``none``: off). In one-row bf16/fp16 CUDA steps:
                                   ``layer`` (RMSNorm on load, residual add in the
@@ -94,8 +97,8 @@ def compile_workers() -> int | None:
 def linear_impl() -> str:
     """``FULLGRAPH_LINEAR``: which kernel serves linears of a few rows (read once)."""
     value = os.environ.get(LINEAR, "auto")
-    if value not in ("auto", "triton", "cublas"):
-        raise ValueError(f"{LINEAR}={value!r}: expected auto, triton or cublas")
+    if value not in ("auto", "triton", "skinny", "cublas"):
+        raise ValueError(f"{LINEAR}={value!r}: expected auto, triton, skinny or cublas")
     return value
 
 

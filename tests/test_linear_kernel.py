@@ -85,10 +85,11 @@ def test_the_cublas_form_computes_the_same(epilogue):
 
 def test_the_choice_follows_the_environment_and_sends_prefill_to_cublas(monkeypatch):
     x = torch.randn(4, 8, device=DEVICE)
-    for impl, want in (("triton", True), ("cublas", False), ("auto", not x.is_cuda)):
+    for impl, want in (("triton", "triton"), ("skinny", "skinny"), ("cublas", "cublas"),
+                       ("auto", "cublas" if x.is_cuda else "triton")):
         monkeypatch.setattr(fullgraph.env, "linear_impl", lambda impl=impl: impl)
-        assert linear_choice.triton_wins(x) is want
-        assert linear_choice.triton_wins(torch.randn(linear_choice.MAX_ROWS + 1, 8, device=DEVICE)) is False
+        assert linear_choice.few_rows(x) == want
+        assert linear_choice.few_rows(torch.randn(linear_choice.MAX_ROWS + 1, 8, device=DEVICE)) == "cublas"
 
 
 def test_default_config_and_registered_op():
@@ -170,7 +171,7 @@ def test_bf16_model_shapes_flash_rule(n, k, activation, rows, fused):
 
 
 @pytest.mark.parametrize("fuse", ["", "layer,rope"], ids=["separate", "fused"])
-@pytest.mark.parametrize("rows", ["one", "all"])
+@pytest.mark.parametrize("rows", ["one", "all", "all-skinny"])
 @pytest.mark.parametrize("preset", ["llama", "phi3"])
 def test_models_on_the_kernel_path_match_the_separate_ops(monkeypatch, preset, rows, fuse):
     """Force the kernel path (the one every CUDA batch-1 step takes: projection and activation in
@@ -190,6 +191,9 @@ def test_models_on_the_kernel_path_match_the_separate_ops(monkeypatch, preset, r
         return torch.cat([runner.step([fg.SeqChunk([t], 4 + i, ids)]).logits for i, t in enumerate((3, 11))])
 
     want = decode_logits()
+    if rows == "all-skinny":  # more than one row: the split-K kernel (its rope fusion: two launches)
+        monkeypatch.setattr(fullgraph.env, "linear_impl", lambda: "skinny")
+        rows = "all"
     monkeypatch.setattr(fullgraph.env, "fused", lambda: frozenset(filter(None, fuse.split(","))))
     seen, fused = [], []
     monkeypatch.setattr(Linear, "uses_kernel", lambda self, x: seen.append(x.shape[0]) or rows == "all" or x.shape[0] == 1)

@@ -251,14 +251,16 @@ def test_gpu_bf16_within_twice_the_two_launch_error(layout, rows):
     assert torch.isnan(fused.flatten(1, 2)[:, untouched]).all(), "cache rows outside the written slots changed"
 
 
+@pytest.mark.parametrize("impl", ["cublas", "skinny"])
 @pytest.mark.parametrize("layout", ["llama", "grouped"])
-def test_the_op_with_cublas_chosen_is_the_two_launch_form(layout, monkeypatch):
-    """The op for several rows when cuBLAS wins the measurement (forced here): the norm kernel,
-    cuBLAS, then ``rope_kv_write``; it computes what the fused launch computes."""
+def test_the_op_with_cublas_chosen_is_the_two_launch_form(layout, impl, monkeypatch):
+    """The op for several rows when cuBLAS (or the split-K kernel) serves them (forced here): the
+    product (cuBLAS after the norm kernel, or the split-K kernel with the norm on load), then
+    ``rope_kv_write``; it computes what the fused launch computes."""
     import fullgraph.env
     from fullgraph.kernels.linear_rope_kv import linear_rope_kv_write
 
-    monkeypatch.setattr(fullgraph.env, "linear_impl", lambda: "cublas")
+    monkeypatch.setattr(fullgraph.env, "linear_impl", lambda: impl)
     fused = inputs(5, layout, bias=True, norm=True, seed=70)
     chosen = {**fused, "kv_cache": fused["kv_cache"].clone()}
     before = fused["kv_cache"].clone()

@@ -19,7 +19,7 @@ Layout contract: x (M, K) with unit column stride, w (N, K) contiguous, b (N,) o
 weight (K,) or None, residual (M, N) with unit column stride or None; returns a new (M, N) (or
 (M, N // 2) gated) tensor in x's dtype. Registered as ``fullgraph::linear`` (with a fake), so
 ``torch.compile`` keeps it one opaque launch; for more than one row the op takes cuBLAS unless
-``linear_choice`` says this kernel.
+``linear_choice`` says this kernel or ``skinny_linear``'s.
 """
 from __future__ import annotations
 
@@ -250,10 +250,15 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, acti
     squares of the row it streams anyway, and scales its products by 1/rms at the end.
 
     One launch of the weight-streaming kernel for one row; for more rows, cuBLAS with the norm and
-    the activation as kernels of their own, unless ``linear_choice`` says ours."""
+    the activation as kernels of their own, unless ``linear_choice`` says ours or the split-K one."""
     args = (x, w, b, activation, limit)
-    if x.shape[0] > 1 and not linear_choice.triton_wins(x):
+    impl = linear_choice.few_rows(x) if x.shape[0] > 1 else "triton"
+    if impl == "cublas":
         return linear_choice.unfused(*args, norm_weight, eps, residual)
+    if impl == "skinny":
+        from . import skinny_linear  # (it builds on this module)
+
+        return skinny_linear.launch(*args, None, norm_weight, eps, residual)
     return launch(*args, None, norm_weight, eps, residual)
 
 

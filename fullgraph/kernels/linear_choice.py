@@ -6,8 +6,11 @@ tensor-core kernels stream the weights faster than our ``tl.dot`` path (H200 and
 ``benchmarks/sweep_linear.py``: at 32 rows ours takes about twice cuBLAS's time on every layer
 shape measured, at 8 rows it is even), even with the norm, the activation and the add as launches
 of their own (:func:`unfused`), so they take cuBLAS; ``FULLGRAPH_LINEAR=triton`` (``fullgraph.env``)
-forces ours (benchmarks, tests). Under the Triton interpreter (no CUDA) ours runs: the kernel
-under test. A choice measured at run time would have to time each candidate inside a CUDA graph
+forces ours (benchmarks, tests), ``FULLGRAPH_LINEAR=skinny`` the split-K weight-streaming kernel
+(``skinny_linear``: x is read once per 64-128 weight rows, not per 16-32), with which the models
+also fuse the norm and the residual add into their projections at 2-64 rows, as in one-row steps;
+it is opt-in until the H200 measures it. Under the Triton interpreter (no CUDA) ours runs: the
+kernel under test. A choice measured at run time would have to time each candidate inside a CUDA graph
 over weights that miss the L2, as a step sees them: timed eagerly, back to back, launch overhead
 and a cache-resident weight decided it, and chose ours where it is twice as slow.
 """
@@ -23,14 +26,15 @@ from . import norm
 MAX_ROWS = 64   # more rows take cuBLAS (with the norm and the activation as kernels of their own)
 
 
-def triton_wins(x: torch.Tensor) -> bool:
-    """Whether ``linear.launch`` serves a linear of ``x``'s rows (more than one) rather than :func:`unfused`."""
+def few_rows(x: torch.Tensor) -> str:
+    """Which kernel serves a linear of ``x``'s rows (more than one): ``"triton"`` (``linear.launch``),
+    ``"skinny"`` (``skinny_linear.launch``) or ``"cublas"`` (:func:`unfused`)."""
     if x.shape[0] > MAX_ROWS:  # prefill: tiles of every row would not fit
-        return False
+        return "cublas"
     impl = env.linear_impl()
     if impl != "auto":
-        return impl == "triton"
-    return not x.is_cuda
+        return impl
+    return "cublas" if x.is_cuda else "triton"
 
 
 def unfused(x, w, b, activation, limit, norm_weight, eps, residual) -> torch.Tensor:

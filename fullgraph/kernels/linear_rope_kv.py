@@ -167,18 +167,25 @@ def linear_rope_kv_write(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | Non
     """q_out (T, H, D) = the rotated q heads of ``norm(x) @ w.T + b``; the rotated k heads and the
     v heads written into ``kv_cache`` at ``slot_mapping`` (in place). One launch; see the module
     docstring for the algorithm and the layout contract. For more than one row: that launch, or
-    ``linear`` then ``rope_kv_write`` (cuBLAS for the product) unless ``linear_choice`` says ours."""
+    the product (cuBLAS, or the split-K kernel) then ``rope_kv_write``, unless ``linear_choice`` says ours."""
     args = (x, w, b, norm_weight, eps, kv_cache, slot_mapping, positions, cos, sin, num_heads, num_kv_heads, layout)
-    if x.shape[0] > 1 and not linear_choice.triton_wins(x):
-        return _two_launches(*args)
+    impl = linear_choice.few_rows(x) if x.shape[0] > 1 else "triton"
+    if impl != "triton":
+        return _two_launches(*args, skinny=impl == "skinny")
     return launch(*args)
 
 
 def _two_launches(x, w, b, norm_weight, eps, kv_cache, slot_mapping, positions, cos, sin, num_heads, num_kv_heads,
-                  layout) -> torch.Tensor:
-    """The same with the product on its own (``linear_choice.unfused``), then ``rope_kv_write``."""
+                  layout, skinny: bool = False) -> torch.Tensor:
+    """The same with the product on its own (``linear_choice.unfused``, or with ``skinny``
+    ``skinny_linear``'s kernel and its norm on load), then ``rope_kv_write``."""
     _check(x, w, b, norm_weight, kv_cache, slot_mapping, positions, cos, sin, num_heads, num_kv_heads, layout)
-    y = linear_choice.unfused(x, w, b, "none", NO_LIMIT, norm_weight, eps, None)       # (T, (H + 2 KVH) D)
+    if skinny:
+        from . import skinny_linear
+
+        y = skinny_linear.launch(x, w, b, "none", NO_LIMIT, None, norm_weight, eps, None)
+    else:
+        y = linear_choice.unfused(x, w, b, "none", NO_LIMIT, norm_weight, eps, None)    # (T, (H + 2 KVH) D)
     t, d = x.shape[0], kv_cache.shape[-1]
     if layout == "llama":
         q, k, v = y.split((num_heads * d, num_kv_heads * d, num_kv_heads * d), dim=-1)

@@ -29,11 +29,19 @@ def use_kernels(x: torch.Tensor) -> bool:
     return kernels is not None and x.is_cuda
 
 
-def one_row_kernel_path(x: torch.Tensor) -> bool:
-    """Whether ``x`` is a one-row half-precision activation on CUDA: the steps (batch-1 decode)
-    whose projections run ``kernels.linear`` (``Linear.uses_kernel``) and whose layers fuse."""
-    return (use_kernels(x) and x.dim() == 2 and x.shape[0] == 1 and x.stride(-1) == 1
-            and x.dtype in (torch.bfloat16, torch.float16))
+def kernel_path(x: torch.Tensor, few_rows: bool) -> bool:
+    """Whether ``x`` is a half-precision activation on CUDA whose projections run ``kernels.linear``
+    (``Linear.uses_kernel``) and whose layers fuse: one row (batch-1 decode), or with ``few_rows``
+    (``FULLGRAPH_LINEAR=skinny``: the split-K kernel, which fuses as the one-row kernel does) 2-64."""
+    if not (use_kernels(x) and x.dim() == 2 and x.stride(-1) == 1 and x.dtype in (torch.bfloat16, torch.float16)):
+        return False
+    return x.shape[0] == 1 or (few_rows and 2 <= x.shape[0] <= kernels.linear_max_rows)
+
+
+def few_rows_fuse() -> bool:
+    """``FULLGRAPH_LINEAR=skinny``: steps of 2-64 rows take the kernel path too (read by the layers
+    at construction, so a compiled forward never reads the environment)."""
+    return env.linear_impl() == "skinny"
 
 
 class Linear(nn.Linear):
@@ -41,7 +49,8 @@ class Linear(nn.Linear):
     residual)`` is ``F.linear(norm(x)) + residual``, the shape of every projection in a pre-norm
     decoder layer.
 
-    Its one-row steps on CUDA in half precision (batch-1 decode) run ``kernels.linear``, a
+    Its one-row steps on CUDA in half precision (batch-1 decode; 2-64 rows too with
+    ``FULLGRAPH_LINEAR=skinny``: ``kernel_path``) run ``kernels.linear``, a
     weight-streaming kernel that beats cuBLAS there (one launch, no split-K reduce; measured in
     ``benchmarks/sweep_linear.py``), with an RMSNorm applied on load (each program sums the squares
     of the row it streams anyway), the residual added in its epilogue and a gated ``activation``
@@ -51,8 +60,12 @@ class Linear(nn.Linear):
     ``torch.compile`` too.
     """
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.few_rows = few_rows_fuse()
+
     def uses_kernel(self, x: torch.Tensor) -> bool:
-        return one_row_kernel_path(x) and self.weight.dtype == x.dtype and self.weight.is_contiguous()
+        return kernel_path(x, self.few_rows) and self.weight.dtype == x.dtype and self.weight.is_contiguous()
 
     def forward(self, x: torch.Tensor, norm: nn.Module | None = None, residual: torch.Tensor | None = None,
                 activation: str = "none", limit: float | None = None) -> torch.Tensor:
@@ -144,17 +157,19 @@ class PreNormDecoderLayer(nn.Module):
     residual)`` instead: their first projection normalises its input on load and their last adds
     the stream back in its epilogue (``Linear``), so the layer has no norm or add kernels; it then
     returns ``(stream, None)``. More rows take cuBLAS, where a separate norm and add would be
-    extra kernels: they keep the fused add + norm launch."""
+    extra kernels: they keep the fused add + norm launch (with ``FULLGRAPH_LINEAR=skinny``, steps of
+    2-64 rows fuse too: ``kernel_path``)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fuse = "layer" in env.fused()  # read once, at construction
+        self.few_rows = few_rows_fuse()
 
     def fuses(self, x: torch.Tensor) -> bool:
-        """Whether this step's layer runs the fused flow: switched on, and ``x`` one row on the kernel
-        path (its projections' rule: elsewhere the fused flow would run its norms and adds as
-        kernels of their own)."""
-        return self.fuse and one_row_kernel_path(x)
+        """Whether this step's layer runs the fused flow: switched on, and ``x`` on the kernel path
+        (its projections' rule: elsewhere the fused flow would run its norms and adds as kernels of
+        their own)."""
+        return self.fuse and kernel_path(x, self.few_rows)
 
     def forward(self, x, residual, positions, rope, kv_cache, metadata) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.fuses(x if residual is None else residual):

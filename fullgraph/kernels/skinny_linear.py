@@ -1,0 +1,211 @@
+"""``y = norm(x) @ w.T (+ b)``, then a gated activation or ``+ residual``, for 2-64 rows (decode
+batches): a weight-streaming GEMM that reads the weight once, split over K where the layer is narrow.
+
+Why not ``linear``'s own few-row path: there a program streams BLOCK_N = 16-32 weight rows and,
+with every weight tile, the matching tile of all M rows of x, so at 32 rows it moves twice as many
+bytes of x (from L2) as of weights (from HBM); measured at about half cuBLAS's speed. Here a
+program owns BLOCK_N = 64-128 weight rows over a range of K, so x costs M / BLOCK_N of the
+weight's bytes, and the product is taken swapped, ``w_tile @ x_tile.T`` -> (BLOCK_N, BLOCK_M): the
+weight rows fill the MMA's large dimension, the few rows of x its small one (padded to 16).
+
+A layer with too few column blocks to keep every SM streaming splits K over SPLIT_K programs per
+column block. Each stores its float32 partial (and, with the norm, its rows' partial sums of
+squares) into a workspace, counts in with an acq_rel atomic after a barrier, and the last of a
+column block to arrive sums the SPLIT_K partials (read through L2), finishes and resets the
+counter, which is zero again for the next launch or graph replay: no second kernel, no memset.
+
+Finishing (one program per column block): RMSNorm's 1/rms (x was scaled by the norm weight on
+load and each program summed the squares of the x it streamed anyway), the bias, then the gated
+activation or the residual add, as ``linear``'s ``store``. Before the PDL wait a program loads its
+first weight tile only (a parameter); the workspace is touched only after the wait, so a kernel
+behind that starts early never sees this one's partials.
+
+Layout contract: as ``linear.launch`` (x (M, K) with unit column stride, w (N, K) contiguous, b
+(N,), norm weight (K,), residual (M, N) with unit column stride); 2 <= M <= 64. The workspace is
+one per device, grown eagerly (never while a CUDA graph is being captured: the runner's warm-up
+runs come first) and never freed, as captured graphs keep its address.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import compile_ahead, pdl
+from .linear import ACTIVATIONS, NO_LIMIT, _check, columns, store
+
+MAX_ROWS = 64
+
+
+@triton.jit
+def _weight_tile(w_rows, n_ok, k0, k_hi, rk, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+    """The (BLOCK_N, BLOCK_K) weight tile at ``k0``; masked only where a block can overhang (a
+    mask per element costs the pipelined loads registers and stages)."""
+    if EVEN_N and EVEN_K:
+        return tl.load(w_rows + (k0 + rk)[None, :])
+    if EVEN_K:
+        return tl.load(w_rows + (k0 + rk)[None, :], mask=n_ok[:, None], other=0.0)
+    return tl.load(w_rows + (k0 + rk)[None, :], mask=n_ok[:, None] & (k0 + rk < k_hi)[None, :], other=0.0)
+
+
+@triton.jit
+def _tile(acc, ss, w, x_ptr, g_ptr, stride_xm, M, k0, k_hi, rk, rm, NORM: tl.constexpr, EVEN_K: tl.constexpr):
+    """One K tile: ``acc`` (BLOCK_N, BLOCK_M) += w_tile @ x_tile.T; with NORM, x is scaled by the
+    norm weight on load (rounded to w's dtype) and ``ss`` += each row's sum of squares."""
+    k_ok = (k0 + rk < k_hi) | EVEN_K
+    x = tl.load(x_ptr + rm[:, None] * stride_xm + (k0 + rk)[None, :], mask=(rm < M)[:, None] & k_ok[None, :],
+                other=0.0)
+    if NORM:
+        xf = x.to(tl.float32)
+        ss += tl.sum(xf * xf, axis=1)
+        x = (xf * tl.load(g_ptr + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)[None, :]).to(w.dtype)
+    if w.dtype == tl.float32:  # exact float32 products (tl.dot's default is TF32)
+        return tl.dot(w, tl.trans(x), acc, input_precision="ieee"), ss
+    return tl.dot(w, tl.trans(x), acc), ss
+
+
+@triton.jit
+def _finish(acc, ss, b_ptr, res_ptr, out_ptr, M, N, K, limit, eps, stride_rm, stride_om, pid, rn, n_ok,
+            HAS_BIAS: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A column block's whole (BLOCK_N, BLOCK_M) product -> norm, bias, activation or residual, stored."""
+    y = tl.trans(acc)
+    rm = tl.arange(0, BLOCK_M)
+    if NORM:
+        y = y / tl.sqrt(ss / K + eps)[:, None]
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if HAS_RES:
+        y += tl.load(res_ptr + rm[:, None] * stride_rm + rn[None, :], mask=(rm < M)[:, None] & n_ok[None, :],
+                     other=0.0).to(tl.float32)
+    store(y, out_ptr, M, stride_om, pid, rn, n_ok, N, limit, ACT, BLOCK_M, BLOCK_N)
+
+
+@compile_ahead.kernel
+@triton.jit
+def _skinny_kernel(
+    x_ptr, w_ptr, b_ptr, g_ptr, res_ptr, out_ptr, part_ptr, ss_ptr, count_ptr,
+    M, N, K, limit, eps, stride_xm, stride_rm, stride_om, k_per_split,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
+    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, PDL_LATE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    rn, n_ok = columns(pid, N, ACT, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    rm = tl.arange(0, BLOCK_M)
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(K, k_lo + k_per_split)
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
+    w0 = _weight_tile(w_rows, n_ok, k_lo, k_hi, rk, EVEN_N, EVEN_K)
+    pdl.wait(USE_PDL)
+    if not PDL_LATE:
+        pdl.start_dependents(USE_PDL)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc, ss = _tile(acc, ss, w0, x_ptr, g_ptr, stride_xm, M, k_lo, k_hi, rk, rm, NORM, EVEN_K)
+    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
+        w = _weight_tile(w_rows, n_ok, k0, k_hi, rk, EVEN_N, EVEN_K)
+        acc, ss = _tile(acc, ss, w, x_ptr, g_ptr, stride_xm, M, k0, k_hi, rk, rm, NORM, EVEN_K)
+    if PDL_LATE:  # every weight tile is in: the kernel behind may take this program's slot soon
+        pdl.start_dependents(USE_PDL)
+    if SPLIT_K == 1:
+        _finish(acc, ss, b_ptr, res_ptr, out_ptr, M, N, K, limit, eps, stride_rm, stride_om, pid, rn, n_ok,
+                HAS_BIAS, ACT, NORM, HAS_RES, BLOCK_M, BLOCK_N)
+    else:
+        j = tl.arange(0, BLOCK_N)
+        tiles = part_ptr + pid.to(tl.int64) * (SPLIT_K * BLOCK_N * BLOCK_M) + j[:, None] * BLOCK_M + rm[None, :]
+        tl.store(tiles + split * (BLOCK_N * BLOCK_M), acc)
+        sums = ss_ptr + pid * (SPLIT_K * BLOCK_M) + rm
+        if NORM:
+            tl.store(sums + split * BLOCK_M, ss)
+        tl.debug_barrier()                     # every thread's partial is written ...
+        arrival = count_ptr + pid
+        if tl.atomic_add(arrival, 1, sem="acq_rel") == SPLIT_K - 1:   # ... before it counts in
+            tl.atomic_xchg(arrival, 0, sem="relaxed")                 # ready for the next launch
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                acc += tl.load(tiles + s * (BLOCK_N * BLOCK_M), cache_modifier=".cg")
+                if NORM:
+                    ss += tl.load(sums + s * BLOCK_M, cache_modifier=".cg")
+            _finish(acc, ss, b_ptr, res_ptr, out_ptr, M, N, K, limit, eps, stride_rm, stride_om, pid, rn, n_ok,
+                    HAS_BIAS, ACT, NORM, HAS_RES, BLOCK_M, BLOCK_N)
+
+
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def launch_config(m: int, n: int, k: int, num_sms: int = 132) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) for ``m`` rows of an (n, k) weight: 64-row
+    column blocks (128 past 8192 columns), K split in powers of two until about two programs an SM
+    stream (each split keeping at least four K tiles). Not yet tuned on a GPU (``sweep_linear.py --skinny``)."""
+    block_m = max(16, triton.next_power_of_2(m))
+    block_n = 64 if n <= 8192 else 128
+    block_k = 128 if block_m <= 32 else 64
+    blocks, split = triton.cdiv(n, block_n), 1
+    while blocks * split < 2 * num_sms and k >= 2 * split * 4 * block_k:
+        split *= 2
+    return block_n, block_k, split, 4, 4
+
+
+class _Workspace:
+    """The split-K partials, row sums of squares and arrival counters of one device (counters zero
+    between launches). Grown eagerly by the largest need seen; an outgrown buffer stays alive, as
+    graphs captured over it keep its address."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.outgrown: list[tuple[torch.Tensor, ...]] = []
+
+    def get(self, device: torch.device, floats: int, sums: int, counters: int):
+        have = self.buffers.get(device)
+        if have is not None and have[0].numel() >= floats and have[1].numel() >= sums and have[2].numel() >= counters:
+            return have
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("skinny_linear: its split-K workspace must grow while a CUDA graph is being captured; "
+                               "run the step eagerly once first (the runner's warm-up does)")
+        if have is not None:
+            self.outgrown.append(have)
+            floats, sums, counters = (max(floats, have[0].numel()), max(sums, have[1].numel()),
+                                      max(counters, have[2].numel()))
+        made = (torch.empty(floats, dtype=torch.float32, device=device),
+                torch.empty(max(1, sums), dtype=torch.float32, device=device),
+                torch.zeros(counters, dtype=torch.int32, device=device))
+        self.buffers[device] = made
+        return made
+
+
+WORKSPACE = _Workspace()
+
+
+def launch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, activation: str = "none",
+           limit: float = NO_LIMIT, config: tuple[int, ...] | None = None, norm_weight: torch.Tensor | None = None,
+           eps: float = 0.0, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """What ``linear.launch`` computes, for 2 .. 64 rows; ``config`` (BLOCK_N, BLOCK_K, SPLIT_K,
+    num_warps, num_stages) overrides :func:`launch_config` (benchmarks sweep it)."""
+    (m, k), n = x.shape, w.shape[0]
+    _check(x, w, b, activation, norm_weight, residual)
+    if not 2 <= m <= MAX_ROWS:
+        raise ValueError(f"skinny_linear: {m} rows; it serves 2 .. {MAX_ROWS} (one row: linear.launch)")
+    block_n, block_k, split, num_warps, stages = config or launch_config(m, n, k, _num_sms(x.device))
+    if activation != "none" and block_n % 2:
+        raise ValueError(f"skinny_linear: a gated activation needs an even BLOCK_N, got {block_n}")
+    block_m = max(16, triton.next_power_of_2(m))
+    blocks = triton.cdiv(n, block_n)   # (SwiGLU: BLOCK_N // 2 gate rows and their up rows a program)
+    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    split = triton.cdiv(k, k_per_split)  # no split without a K tile
+    part, sums, counts = WORKSPACE.get(x.device, blocks * split * block_n * block_m if split > 1 else 1,
+                                       blocks * split * block_m if split > 1 and norm_weight is not None else 1,
+                                       blocks)
+    out = compile_ahead.output((m, n if activation == "none" else n // 2), x.dtype, x.device)
+    _skinny_kernel[(blocks, split)](
+        x, w, w if b is None else b, w if norm_weight is None else norm_weight, out if residual is None else residual,
+        out, part, sums, counts, m, n, k, limit, eps, x.stride(0), 0 if residual is None else residual.stride(0),
+        out.stride(0), k_per_split,
+        HAS_BIAS=b is not None, ACT=ACTIVATIONS[activation], NORM=norm_weight is not None,
+        HAS_RES=residual is not None, SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN_N=n % block_n == 0, EVEN_K=k % block_k == 0, num_warps=num_warps, num_stages=stages, PDL_LATE=pdl.late(), **pdl.options(x))
+    return out

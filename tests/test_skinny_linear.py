@@ -1,0 +1,149 @@
+"""The split-K weight-streaming linear for 2-64 rows (``kernels.skinny_linear``) against float64
+references: ragged and even sizes, every split count, bias, the gated activations, the RMSNorm on
+load and the residual epilogue; a NaN-poisoned workspace, the arrival counters back at zero, the
+op's dispatch and the refusals."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fullgraph.env
+from fullgraph.kernels import skinny_linear
+from fullgraph.kernels.linear import linear
+from fullgraph.kernels.skinny_linear import WORKSPACE, launch, launch_config
+from test_linear_kernel import ref_linear
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def poisoned_workspace(floats: int = 1 << 16, sums: int = 1 << 12, counters: int = 64):
+    """The device's workspace, its partials and sums NaN (a read of a partial nobody wrote shows)."""
+    part, ss, counts = WORKSPACE.get(torch.device(DEVICE), floats, sums, counters)
+    part.fill_(float("nan"))
+    ss.fill_(float("nan"))
+    return counts
+
+
+@pytest.mark.parametrize("rows", [2, 5, 17])
+@pytest.mark.parametrize("split", [1, 3, 4])
+@pytest.mark.parametrize("epilogue", ["none", "residual", "silu_and_mul", "gegelu"])
+@pytest.mark.parametrize("norm", [False, True])
+def test_matches_reference(rows, split, epilogue, norm):
+    """N = 44 over blocks of 16 and K = 97 over tiles of 32 (both overhang), K split 1, 3 or 4 ways
+    (the last split short), bias on every other case."""
+    gen = torch.Generator(DEVICE).manual_seed(rows * 100 + split)
+    n, k = 44, 97
+    x = 3 * torch.randn(2 * rows, k, device=DEVICE, generator=gen)[::2] + 0.5      # strided rows
+    w = torch.randn(n, k, device=DEVICE, generator=gen)
+    b = torch.randn(n, device=DEVICE, generator=gen) if (rows + split) % 2 else None
+    g = 1 + 0.3 * torch.randn(k, device=DEVICE, generator=gen) if norm else None
+    residual = torch.randn(rows, n, device=DEVICE, generator=gen) if epilogue == "residual" else None
+    activation = epilogue if epilogue != "residual" else "none"
+    counts = poisoned_workspace()
+    got = launch(x, w, b, activation, 1.5, (16, 32, split, 4, 1), g, 1e-5, residual)
+    want = ref_linear(x, w, b, activation, 1.5, g, 1e-5, residual)
+    assert got.shape == want.shape and got.dtype == x.dtype
+    # float32 sums of ~30-sized products in another order: errors scale with the largest output
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-5 * float(want.abs().max()))
+    assert int(counts.count_nonzero()) == 0, "an arrival counter was left set"
+
+
+@pytest.mark.parametrize("rows", [3, 32, 64])
+def test_even_blocks_take_the_unmasked_loads(rows):
+    """N and K multiples of their blocks (the loads without masks), 64 rows at most."""
+    gen = torch.Generator(DEVICE).manual_seed(rows)
+    n, k = 64, 256
+    x, w = torch.randn(rows, k, device=DEVICE, generator=gen), torch.randn(n, k, device=DEVICE, generator=gen)
+    g = 1 + 0.3 * torch.randn(k, device=DEVICE, generator=gen)
+    poisoned_workspace()
+    for cfg in ((32, 64, 1, 4, 1), (32, 64, 2, 4, 1), (16, 32, 8, 4, 1)):
+        torch.testing.assert_close(launch(x, w, None, config=cfg, norm_weight=g, eps=1e-6).double(),
+                                   ref_linear(x, w, None, norm_weight=g, eps=1e-6), rtol=1e-5, atol=1e-4)
+
+
+def test_repeated_calls_are_identical_and_leave_the_counters_at_zero():
+    """Partials are summed in split order by whichever program arrives last: the same bits every call."""
+    gen = torch.Generator(DEVICE).manual_seed(3)
+    x, w = torch.randn(6, 200, device=DEVICE, generator=gen), torch.randn(40, 200, device=DEVICE, generator=gen)
+    counts = poisoned_workspace()
+    first = launch(x, w, None, config=(8, 32, 4, 4, 1))
+    for _ in range(3):
+        assert torch.equal(launch(x, w, None, config=(8, 32, 4, 4, 1)), first)
+    assert int(counts.count_nonzero()) == 0
+
+
+def test_launch_config_splits_until_two_programs_an_sm_or_four_tiles_a_split():
+    # llama-1b o_proj (2048 x 2048): 32 column blocks of 64; K split 4 ways (4 tiles of 128 each)
+    assert launch_config(32, 2048, 2048, num_sms=132)[:3] == (64, 128, 4)
+    # Llama-8B gate_up: 224 column blocks of 128, split 2 ways for 448 programs
+    assert launch_config(32, 28672, 4096, num_sms=132)[:3] == (128, 128, 2)
+    # llama-1b gate_up: 128 column blocks of 128, split 4 ways (256 programs would be just short)
+    assert launch_config(32, 16384, 2048, num_sms=132)[:3] == (128, 128, 4)
+    # a short K never splits below four tiles a split
+    assert launch_config(16, 576, 576, num_sms=132)[2] == 1
+    assert launch_config(64, 2048, 2048)[1] == 64     # 64 rows: half the K tile (shared memory)
+
+
+def test_the_op_dispatches_to_it_for_few_rows_when_chosen(monkeypatch):
+    gen = torch.Generator(DEVICE).manual_seed(4)
+    x, w = torch.randn(4, 48, device=DEVICE, generator=gen), torch.randn(24, 48, device=DEVICE, generator=gen)
+    g, residual = 1 + 0.2 * torch.randn(48, device=DEVICE, generator=gen), torch.randn(4, 24, device=DEVICE, generator=gen)
+    calls = []
+    real = skinny_linear.launch
+    monkeypatch.setattr(skinny_linear, "launch", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    monkeypatch.setattr(fullgraph.env, "linear_impl", lambda: "skinny")
+    got = linear(x, w, None, "none", norm_weight=g, eps=1e-5, residual=residual)
+    torch.testing.assert_close(got.double(), ref_linear(x, w, None, norm_weight=g, eps=1e-5, residual=residual),
+                               rtol=1e-5, atol=1e-4)
+    linear(x[:1], w)                                   # one row: the one-row kernel
+    assert calls == [4]
+
+
+def test_refusals_name_the_problem():
+    x, w = torch.randn(4, 16, device=DEVICE), torch.randn(8, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="1 rows; it serves 2 .. 64"):
+        launch(x[:1], w, None)
+    with pytest.raises(ValueError, match="65 rows"):
+        launch(torch.randn(65, 16, device=DEVICE), w, None)
+    with pytest.raises(ValueError, match="even BLOCK_N"):
+        launch(x, w, None, "silu_and_mul", config=(5, 16, 1, 4, 1))
+    with pytest.raises(ValueError, match="contiguous"):
+        launch(x, w.t().contiguous().t(), None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n,k", [(3072, 2048), (2048, 8192), (28672, 4096)])
+@pytest.mark.parametrize("rows", [2, 32, 64])
+@pytest.mark.parametrize("fused", ["", "norm+silu", "norm+residual"])
+def test_bf16_model_shapes_flash_rule(n, k, rows, fused):
+    """bf16 at model shapes with the default configuration (splits and all) against float64, within
+    twice the error of PyTorch's own bf16 pipeline (+ slack); counters back at zero; the same bits
+    inside a CUDA graph's replays."""
+    gen = torch.Generator("cuda").manual_seed(rows)
+    x = (2 * torch.randn(rows, k, device="cuda", generator=gen) + 0.3).bfloat16()
+    w = (torch.randn(n, k, device="cuda", generator=gen) * k ** -0.5).bfloat16()
+    b = (0.02 * torch.randn(n, device="cuda", generator=gen)).bfloat16()
+    g = (1 + 0.2 * torch.randn(k, device="cuda", generator=gen)).bfloat16() if fused else None
+    res = torch.randn(rows, n, device="cuda", generator=gen).bfloat16() if "residual" in fused else None
+    activation = "silu_and_mul" if "silu" in fused else "none"
+    want = ref_linear(x, w, b, activation, 20.0, g, 1e-5, res)
+    xn = x if g is None else (g * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16())
+    torch_bf16 = torch.nn.functional.linear(xn, w, b)
+    if activation != "none":
+        torch_bf16 = torch.ops.fullgraph.silu_and_mul(torch_bf16)
+    if res is not None:
+        torch_bf16 = torch_bf16 + res
+    base = (torch_bf16.double() - want).abs().max().item()
+    got = launch(x, w, b, activation, 20.0, None, g, 1e-5, res)
+    assert (got.double() - want).abs().max().item() <= 2 * base + 1e-3
+    counts = WORKSPACE.buffers[x.device][2]
+    assert int(counts.count_nonzero()) == 0
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = launch(x, w, b, activation, 20.0, None, g, 1e-5, res)
+    for _ in range(3):
+        replayed.fill_(float("nan"))
+        graph.replay()
+        torch.testing.assert_close(replayed, got, rtol=0, atol=0)
+    assert int(counts.count_nonzero()) == 0
