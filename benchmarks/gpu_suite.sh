@@ -109,9 +109,9 @@ skinny)  # the split-K linear for 2-64 rows (kernels.skinny_linear): its GPU tes
     FULLGRAPH_LINEAR=skinny FULLGRAPH_PDL=0 run skinny_profile 70 python3 benchmarks/profile_step.py --preset llama-1b \
         --batch 32 --context 1024 --out "$OUT/skinny_profile.json"
     ;;
-skinny-sweep)  # the split-K kernel's configurations against cuBLAS at 8, 32 and 64 rows, plain and with the norm
+skinny-sweep)  # the split-K kernel's configurations against cuBLAS at 1-64 rows (one row: and the one-row kernel), plain and normed
     run skinny_sweep 300 python3 benchmarks/sweep_linear.py --skinny --rows 32 --stages 3 4 --out "$OUT/skinny_sweep.json"
-    run skinny_sweep_rows 200 python3 benchmarks/sweep_linear.py --skinny --rows 8 64 --stages 4 \
+    run skinny_sweep_rows 200 python3 benchmarks/sweep_linear.py --skinny --rows 1 8 64 --stages 4 \
         --shapes llama1b.qkv llama1b.o llama1b.gate_up llama1b.down --out "$OUT/skinny_sweep_rows.json"
     run skinny_sweep_norm 200 python3 benchmarks/sweep_linear.py --skinny --norm --rows 32 --stages 4 \
         --shapes llama1b.qkv llama1b.o llama1b.gate_up llama1b.down smollm2.qkv smollm2.gate_up \

@@ -7,8 +7,8 @@ per row count, cuBLAS (``F.linear``) and every launch configuration of ours (BLO
 warps, weight tiles prefetched before the PDL wait, pipeline stages), best first; writes JSON; never
 asserts on time. ``--norm``: the product of the RMS-normalised input, ours with the norm on load
 against the norm kernel + cuBLAS (``kernels.linear_choice.unfused``, what a runner measures it
-against). ``--skinny``: for more than one row, the split-K kernel (``kernels.skinny_linear``) instead,
-over BLOCK_N x BLOCK_K x SPLIT_K x warps x stages and its own default (``default``). Each timing is a CUDA graph of back-to-back calls cycling over weight copies (>= 256 MB,
+against). ``--skinny``: the split-K kernel (``kernels.skinny_linear``) instead, over BLOCK_N x BLOCK_K
+x SPLIT_K x warps x stages and its own default (``default``); one row also times the one-row kernel. Each timing is a CUDA graph of back-to-back calls cycling over weight copies (>= 256 MB,
 so every call reads HBM, as in a real step). TB/s = weight bytes / time.
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ def time_calls(fn, weights) -> float:
 
 
 def configs(m: int, args) -> list[tuple[int, ...]]:
-    if m > 1 and args.skinny:
+    if args.skinny:
         grid = itertools.product(args.skinny_block_n, args.skinny_block_k, args.skinny_split, args.warps_rows,
                                  args.stages)
         return [None] + list(grid)   # None: the kernel's own launch_config
@@ -88,7 +88,10 @@ def main() -> None:
             if g is not None:
                 results.append(("norm+cublas", time_calls(lambda w, b: unfused(x, w, b, "none", NO_LIMIT, g, 1e-5, None),
                                                           weights)))
-            ours = skinny_linear.launch if m > 1 and args.skinny else launch
+            ours = skinny_linear.launch if args.skinny else launch
+            if args.skinny and m == 1:  # the one-row kernel's own choice, beside the split-K kernel's
+                results.append(("one-row default", time_calls(lambda w, b: launch(x, w, b, norm_weight=g, eps=1e-5),
+                                                              weights)))
             for cfg in configs(m, args):
                 try:
                     got = ours(x, w0, b0, config=cfg, norm_weight=g, eps=1e-5)

@@ -24,7 +24,7 @@ def poisoned_workspace(floats: int = 1 << 16, sums: int = 1 << 12, counters: int
     return counts
 
 
-@pytest.mark.parametrize("rows", [2, 5, 17])
+@pytest.mark.parametrize("rows", [1, 2, 5, 17])
 @pytest.mark.parametrize("split", [1, 3, 4])
 @pytest.mark.parametrize("epilogue", ["none", "residual", "silu_and_mul", "gegelu"])
 @pytest.mark.parametrize("norm", [False, True])
@@ -101,8 +101,8 @@ def test_the_op_dispatches_to_it_for_few_rows_when_chosen(monkeypatch):
 
 def test_refusals_name_the_problem():
     x, w = torch.randn(4, 16, device=DEVICE), torch.randn(8, 16, device=DEVICE)
-    with pytest.raises(ValueError, match="1 rows; it serves 2 .. 64"):
-        launch(x[:1], w, None)
+    with pytest.raises(ValueError, match="0 rows; it serves 1 .. 64"):
+        launch(x[:0], w, None)
     with pytest.raises(ValueError, match="65 rows"):
         launch(torch.randn(65, 16, device=DEVICE), w, None)
     with pytest.raises(ValueError, match="even BLOCK_N"):
@@ -114,7 +114,7 @@ def test_refusals_name_the_problem():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("n,k", [(3072, 2048), (2048, 8192), (28672, 4096)])
-@pytest.mark.parametrize("rows", [2, 32, 64])
+@pytest.mark.parametrize("rows", [1, 2, 32, 64])
 @pytest.mark.parametrize("fused", ["", "norm+silu", "norm+residual"])
 def test_bf16_model_shapes_flash_rule(n, k, rows, fused):
     """bf16 at model shapes with the default configuration (splits and all) against float64, within

@@ -21,7 +21,8 @@ first weight tile only (a parameter); the workspace is touched only after the wa
 behind that starts early never sees this one's partials.
 
 Layout contract: as ``linear.launch`` (x (M, K) with unit column stride, w (N, K) contiguous, b
-(N,), norm weight (K,), residual (M, N) with unit column stride); 2 <= M <= 64. The workspace is
+(N,), norm weight (K,), residual (M, N) with unit column stride); 1 <= M <= 64 (the models use
+it for 2-64 rows; ``benchmarks/sweep_linear.py --skinny`` times one row too, against ``linear``). The workspace is
 one per device, grown eagerly (never while a CUDA graph is being captured: the runner's warm-up
 runs come first) and never freed, as captured graphs keep its address.
 """
@@ -184,12 +185,13 @@ WORKSPACE = _Workspace()
 def launch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, activation: str = "none",
            limit: float = NO_LIMIT, config: tuple[int, ...] | None = None, norm_weight: torch.Tensor | None = None,
            eps: float = 0.0, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """What ``linear.launch`` computes, for 2 .. 64 rows; ``config`` (BLOCK_N, BLOCK_K, SPLIT_K,
+    """What ``linear.launch`` computes, for 1 .. 64 rows (one row padded to 16 in the MMA: its loads
+    are masked off, its pipelined weight stream is the same); ``config`` (BLOCK_N, BLOCK_K, SPLIT_K,
     num_warps, num_stages) overrides :func:`launch_config` (benchmarks sweep it)."""
     (m, k), n = x.shape, w.shape[0]
     _check(x, w, b, activation, norm_weight, residual)
-    if not 2 <= m <= MAX_ROWS:
-        raise ValueError(f"skinny_linear: {m} rows; it serves 2 .. {MAX_ROWS} (one row: linear.launch)")
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"skinny_linear: {m} rows; it serves 1 .. {MAX_ROWS} (more: cuBLAS)")
     block_n, block_k, split, num_warps, stages = config or launch_config(m, n, k, _num_sms(x.device))
     if activation != "none" and block_n % 2:
         raise ValueError(f"skinny_linear: a gated activation needs an even BLOCK_N, got {block_n}")
