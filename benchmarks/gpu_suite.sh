@@ -79,6 +79,18 @@ reduce-ab)  # the split-KV merge in the attention launch (FULLGRAPH_FUSE=reduce)
         FULLGRAPH_FUSE=$fuse run "fuse_phi3_$tag" 60 python3 -m fullgraph.bench decode --preset phi3-small-8k \
             --batch 1 --context 2048 --modes full --steps 30 --loop overlap --out "$OUT/fuse_phi3_$tag.json"
     done
+    for per_sm in 2 1; do  # merged in the launch, fewer splits (split_kv_reduce.SPLIT_PROGRAMS_PER_SM, default 4)
+        for preset in smollm2-135m llama-1b; do
+            FULLGRAPH_FUSE=layer,rope,reduce run "fuse_${preset}_reduce_sm$per_sm" 60 python3 -c "
+import sys
+from fullgraph.kernels import split_kv_reduce
+split_kv_reduce.SPLIT_PROGRAMS_PER_SM = $per_sm
+from fullgraph.bench.__main__ import main
+sys.argv = ['bench', 'decode', '--preset', '$preset', '--batch', '1', '32', '--context', '1024', '--modes', 'full',
+            '--steps', '30', '--loop', 'overlap', '--out', '$OUT/fuse_${preset}_reduce_sm$per_sm.json']
+main()"
+        done
+    done
     ;;
 decode-ab-big)  # the same for the 7-8B shapes
     for tree in .base .; do

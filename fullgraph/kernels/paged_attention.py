@@ -54,7 +54,7 @@ import triton.language as tl
 
 from .. import env
 from . import compile_ahead, pdl
-from .split_kv_reduce import merge_splits, split_kv_reduce
+from .split_kv_reduce import merge_chunk, merge_splits, split_kv_reduce
 from .._compat import custom_op
 
 # Read once, at import: the interpreter runs every program in Python, so it gets small tiles.
@@ -144,7 +144,8 @@ def _paged_attention_kernel(
         GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
         NUM_SPLITS: tl.constexpr, DECODE: tl.constexpr, SLIDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        MERGE: tl.constexpr, USE_PDL: tl.constexpr):
+        MERGE: tl.constexpr, CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
+    # CHUNK: splits the merging program loads at once (``merge_chunk``)
     pdl.wait(USE_PDL)
     pdl.start_dependents(USE_PDL)
     pid = tl.program_id(0)
@@ -235,7 +236,8 @@ def _paged_attention_kernel(
             if tl.atomic_add(arrival, 1, sem="acq_rel") == NUM_SPLITS - 1:   # ... before it counts
                 tl.atomic_xchg(arrival, 0, sem="relaxed")                    # ready for the next launch
                 merge_splits(out_ptr, part_out_ptr, part_lse_ptr, req, tok, head, row_ok, d,
-                              num_kv_heads * GROUP, stride_ot, stride_oh, NUM_SPLITS, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD)
+                              num_kv_heads * GROUP, stride_ot, stride_oh, NUM_SPLITS, BLOCK_M, HEAD_DIM, HEAD_DIM_PAD,
+                              triton.next_power_of_2(NUM_SPLITS), CHUNK)
 
 
 @dataclass(frozen=True)
@@ -307,6 +309,7 @@ def _paged_attention_op(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=page_size, NUM_SPLITS=num_splits, DECODE=decode_only,
         SLIDING=sliding, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", MERGE=merge,
+        CHUNK=merge_chunk(num_splits, block_m, head_dim_pad, num_warps) if merge else 1,
         num_warps=num_warps, num_stages=num_stages, **pdl.options(q))
     if num_splits > 1 and not merge:
         split_kv_reduce(out=out, part_out=part_out, part_lse=part_lse, num_splits=num_splits)

@@ -46,28 +46,39 @@ def split_workspace_rows(max_num_seqs: int, num_kv_heads: int, max_model_len: in
 @triton.jit
 def merge_splits(out_ptr, part_out_ptr, part_lse_ptr, req, tok, head, row_ok, d, num_heads, stride_ot, stride_oh,
                   NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  HEAD_DIM_PAD: tl.constexpr):
-    """The reduce of ``split_kv_reduce`` over one program's rows, in the same order (max, then the
-    weighted sum split by split). Reads through L2 (``.cg``): the other splits wrote from other SMs."""
+                  HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """The reduce of ``split_kv_reduce`` over one program's rows. Reads through L2 (``.cg``): the
+    other splits wrote from other SMs. The rows' log-sum-exps of every split are one (BLOCK_M,
+    splits) load; the partial outputs come CHUNK splits at a time, as (BLOCK_M, CHUNK, D) loads,
+    so a merge of S splits waits for 1 + S / CHUNK round trips to L2, not 2 S (a split at a time).
+    The weighted sum runs in another order than ``split_kv_reduce``'s (within float32 rounding)."""
     first = (req * NUM_SPLITS * num_heads + head).to(tl.int64)      # (BLOCK_M,) row of split 0
-    top = tl.load(part_lse_ptr + first, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-    for s in range(1, NUM_SPLITS):
-        top = tl.maximum(top, tl.load(part_lse_ptr + first + s * num_heads, mask=row_ok, other=float("-inf"),
-                                      cache_modifier=".cg"))
+    s = tl.arange(0, CHUNK)
+    every = tl.arange(0, SPLITS_PAD)                                # next_pow2(NUM_SPLITS)
+    lse = tl.load(part_lse_ptr + first[:, None] + (every * num_heads)[None, :],
+                  mask=row_ok[:, None] & (every < NUM_SPLITS)[None, :], other=float("-inf"), cache_modifier=".cg")
+    top = tl.max(lse, 1)
     top = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.sum(tl.math.exp2(lse - top[:, None]), 1)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-    total = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for s in range(NUM_SPLITS):
-        row = first + s * num_heads
-        w = tl.math.exp2(tl.load(part_lse_ptr + row, mask=row_ok, other=float("-inf"), cache_modifier=".cg") - top)
-        part = tl.load(part_out_ptr + row[:, None] * HEAD_DIM_PAD + d[None, :], mask=(w > 0)[:, None], other=0.0,
-                       cache_modifier=".cg")                         # an empty split reads nothing
-        acc += part * w[:, None]
-        total += w
+    for s0 in range(0, NUM_SPLITS, CHUNK):
+        rows = first[:, None] + ((s0 + s) * num_heads)[None, :]                       # (BLOCK_M, CHUNK)
+        w = tl.math.exp2(tl.load(part_lse_ptr + rows, mask=row_ok[:, None] & (s0 + s < NUM_SPLITS)[None, :],
+                                 other=float("-inf"), cache_modifier=".cg") - top[:, None])
+        part = tl.load(part_out_ptr + rows[:, :, None] * HEAD_DIM_PAD + d[None, None, :], mask=(w > 0)[:, :, None],
+                       other=0.0, cache_modifier=".cg")                              # an empty split reads nothing
+        acc += tl.sum(part * w[:, :, None], 1)
     merged = acc / tl.where(total > 0, total, 1.0)[:, None]
     o_ptrs = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
     tl.store(o_ptrs, merged.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (d < HEAD_DIM)[None, :])
 
+
+def merge_chunk(num_splits: int, block_m: int, head_dim_pad: int, num_warps: int) -> int:
+    """Splits a merging program loads at once: a power of two, at most 32 float32 values a thread."""
+    chunk = 1
+    while chunk < num_splits and 2 * chunk * block_m * head_dim_pad <= 32 * 32 * num_warps:
+        chunk *= 2
+    return chunk
 
 
 @compile_ahead.kernel
