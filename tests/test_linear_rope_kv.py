@@ -216,11 +216,16 @@ def test_opcheck_and_compile_fullgraph():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("impl", ["auto", "skinny"])
 @pytest.mark.parametrize("rows", [1, 16])
 @pytest.mark.parametrize("layout", ["llama", "grouped"])
-def test_gpu_bf16_within_twice_the_two_launch_error(layout, rows):
+def test_gpu_bf16_within_twice_the_two_launch_error(layout, rows, impl, monkeypatch):
     """Against float64: the fused kernel's error at most twice that of the bf16 two-launch pipeline
-    (the norm, F.linear in bf16, then ``rope_kv_write``), plus 1e-3, for q and the written cache."""
+    (the norm, F.linear in bf16, then ``rope_kv_write``), plus 1e-3, for q and the written cache;
+    ``impl`` skinny: 16 rows take the split-K kernel's form of the launch."""
+    import fullgraph.env
+
+    monkeypatch.setattr(fullgraph.env, "linear_impl", lambda: impl)
     heads, kv_heads, head_dim, k, page, blocks, max_pos = 32, 8, 64, 2048, 16, 64, 4096
     gen = torch.Generator().manual_seed(90 + rows)
     n = (heads + 2 * kv_heads) * head_dim
@@ -254,9 +259,9 @@ def test_gpu_bf16_within_twice_the_two_launch_error(layout, rows):
 @pytest.mark.parametrize("impl", ["cublas", "skinny"])
 @pytest.mark.parametrize("layout", ["llama", "grouped"])
 def test_the_op_with_cublas_chosen_is_the_two_launch_form(layout, impl, monkeypatch):
-    """The op for several rows when cuBLAS (or the split-K kernel) serves them (forced here): the
-    product (cuBLAS after the norm kernel, or the split-K kernel with the norm on load), then
-    ``rope_kv_write``; it computes what the fused launch computes."""
+    """The op for several rows when cuBLAS serves them (forced here: the norm kernel, cuBLAS, then
+    ``rope_kv_write``) or the split-K kernel (``skinny_linear.launch_rope_kv``, one launch): it
+    computes what the fused launch computes."""
     import fullgraph.env
     from fullgraph.kernels.linear_rope_kv import linear_rope_kv_write
 

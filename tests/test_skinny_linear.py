@@ -10,8 +10,9 @@ import torch
 import fullgraph.env
 from fullgraph.kernels import skinny_linear
 from fullgraph.kernels.linear import linear
-from fullgraph.kernels.skinny_linear import WORKSPACE, launch, launch_config
+from fullgraph.kernels.skinny_linear import WORKSPACE, launch, launch_config, launch_rope_kv
 from test_linear_kernel import ref_linear
+from test_linear_rope_kv import HEAD_DIM, HEADS, assert_cache, inputs, ref_args, reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -109,6 +110,34 @@ def test_refusals_name_the_problem():
         launch(x, w, None, "silu_and_mul", config=(5, 16, 1, 4, 1))
     with pytest.raises(ValueError, match="contiguous"):
         launch(x, w.t().contiguous().t(), None)
+
+
+
+@pytest.mark.parametrize("config", [(8, 32, 1, 4, 1), (8, 32, 3, 4, 1), (32, 16, 4, 4, 1)], ids=["bn8", "split3", "bn32-split4"])
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "norm"])
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("layout", ["llama", "grouped"])
+def test_rope_kv_matches_the_float64_reference(layout, rows, norm, config):
+    """``launch_rope_kv``: the QKV projection (its column pairs, split K included) with RoPE on q and
+    k and the paged KV write; a padded row (slot -1) writes nothing and its q row is zeros; every
+    cache element outside the written slots keeps its bits."""
+    args = inputs(rows, layout, bias=rows > 1, norm=norm, seed=rows * 8 + norm * 2 + config[2])
+    before = args["kv_cache"].clone()
+    counts = poisoned_workspace()
+    q_out = launch_rope_kv(**args, config=config)
+    assert q_out.shape == (rows, HEADS, HEAD_DIM) and q_out.dtype == args["x"].dtype
+    want_q, want_cache = reference(**ref_args(args, before))
+    torch.testing.assert_close(q_out.double(), want_q, rtol=1e-5, atol=1e-5)
+    if rows > 1:
+        assert not q_out[2].any(), "a padded row's q_out is zeros"
+    assert_cache(args["kv_cache"], before, want_cache, args["slot_mapping"])
+    assert int(counts.count_nonzero()) == 0
+
+
+def test_rope_kv_refuses_odd_column_blocks():
+    args = inputs(3, "llama", bias=False, norm=False, seed=1)
+    with pytest.raises(ValueError, match="power of 2 >= 2"):
+        launch_rope_kv(**args, config=(6, 32, 1, 4, 1))
 
 
 @pytest.mark.gpu

@@ -42,22 +42,24 @@ from .._compat import custom_op
 LAYOUTS = {"llama": 0, "grouped": 1}
 
 
-@compile_ahead.kernel
 @triton.jit
-def _linear_rope_kv_kernel(
-    x_ptr, w_ptr, b_ptr, g_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, kv_ptr,
-    M, K, eps, num_slots, stride_xm, stride_kv, stride_cb, stride_cs, stride_ch,
-    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    LAYOUT: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, PREFETCH: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr, PDL_LATE: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    NUM_PAIRS: tl.constexpr = (NUM_HEADS + 2 * NUM_KV_HEADS) * HALF
+def pair_columns(pid, NUM_PAIRS: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The weight rows program ``pid`` reads: local column j is member j % 2 of pair u = pid *
+    BLOCK_N/2 + j // 2 (columns i and i + D/2 of head block u // (D/2)); and which pairs exist."""
     j = tl.arange(0, BLOCK_N)
     u = pid * (BLOCK_N // 2) + j // 2                     # this column's pair
     rn = (u // HALF) * (2 * HALF) + u % HALF + (j % 2) * HALF
-    acc = product(x_ptr, w_ptr, b_ptr, g_ptr, x_ptr, M, K, eps, stride_xm, 0, rn, u < NUM_PAIRS,
-                  HAS_BIAS, NORM, False, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL, PDL_LATE)   # waits (PDL) inside
+    return rn, u < NUM_PAIRS
+
+
+@triton.jit
+def rope_kv_epilogue(acc, pid, M, pos_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, kv_ptr, num_slots,
+                     stride_kv, stride_cb, stride_cs, stride_ch,
+                     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                     LAYOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The (BLOCK_M, BLOCK_N) float32 product of :func:`pair_columns`' rows -> q heads rotated into
+    ``q_out``, k heads rotated and v heads as they are into the cache (the module docstring)."""
+    NUM_PAIRS: tl.constexpr = (NUM_HEADS + 2 * NUM_KV_HEADS) * HALF
     a, b = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))   # columns i and i + D/2 of a head
     up = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
     pair_ok = up < NUM_PAIRS
@@ -97,6 +99,24 @@ def _linear_rope_kv_kernel(
     kv_ty = kv_ptr.dtype.element_ty
     tl.store(kv_dst, tl.where(is_v[None, :], a, out1).to(kv_ty), mask=kv_ok)
     tl.store(kv_dst + HALF, tl.where(is_v[None, :], b, out2).to(kv_ty), mask=kv_ok)
+
+
+@compile_ahead.kernel
+@triton.jit
+def _linear_rope_kv_kernel(
+    x_ptr, w_ptr, b_ptr, g_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, kv_ptr,
+    M, K, eps, num_slots, stride_xm, stride_kv, stride_cb, stride_cs, stride_ch,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    LAYOUT: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, PREFETCH: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr, PDL_LATE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rn, pair_ok = pair_columns(pid, (NUM_HEADS + 2 * NUM_KV_HEADS) * HALF, HALF, BLOCK_N)
+    acc = product(x_ptr, w_ptr, b_ptr, g_ptr, x_ptr, M, K, eps, stride_xm, 0, rn, pair_ok,
+                  HAS_BIAS, NORM, False, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL, PDL_LATE)   # waits (PDL) inside
+    rope_kv_epilogue(acc, pid, M, pos_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, kv_ptr, num_slots,
+                     stride_kv, stride_cb, stride_cs, stride_ch, NUM_HEADS, NUM_KV_HEADS, HALF, PAGE_SIZE, LAYOUT,
+                     BLOCK_M, BLOCK_N)
 
 
 def launch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
@@ -167,25 +187,24 @@ def linear_rope_kv_write(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | Non
     """q_out (T, H, D) = the rotated q heads of ``norm(x) @ w.T + b``; the rotated k heads and the
     v heads written into ``kv_cache`` at ``slot_mapping`` (in place). One launch; see the module
     docstring for the algorithm and the layout contract. For more than one row: that launch, or
-    the product (cuBLAS, or the split-K kernel) then ``rope_kv_write``, unless ``linear_choice`` says ours."""
+    ``linear`` then ``rope_kv_write`` (cuBLAS for the product), or ``skinny_linear``'s split-K form
+    of this launch, as ``linear_choice`` says."""
     args = (x, w, b, norm_weight, eps, kv_cache, slot_mapping, positions, cos, sin, num_heads, num_kv_heads, layout)
     impl = linear_choice.few_rows(x) if x.shape[0] > 1 else "triton"
-    if impl != "triton":
-        return _two_launches(*args, skinny=impl == "skinny")
+    if impl == "skinny":
+        from . import skinny_linear  # (it builds on this module)
+
+        return skinny_linear.launch_rope_kv(*args)
+    if impl == "cublas":
+        return _two_launches(*args)
     return launch(*args)
 
 
 def _two_launches(x, w, b, norm_weight, eps, kv_cache, slot_mapping, positions, cos, sin, num_heads, num_kv_heads,
-                  layout, skinny: bool = False) -> torch.Tensor:
-    """The same with the product on its own (``linear_choice.unfused``, or with ``skinny``
-    ``skinny_linear``'s kernel and its norm on load), then ``rope_kv_write``."""
+                  layout) -> torch.Tensor:
+    """The same with the product on its own (``linear_choice.unfused``), then ``rope_kv_write``."""
     _check(x, w, b, norm_weight, kv_cache, slot_mapping, positions, cos, sin, num_heads, num_kv_heads, layout)
-    if skinny:
-        from . import skinny_linear
-
-        y = skinny_linear.launch(x, w, b, "none", NO_LIMIT, None, norm_weight, eps, None)
-    else:
-        y = linear_choice.unfused(x, w, b, "none", NO_LIMIT, norm_weight, eps, None)    # (T, (H + 2 KVH) D)
+    y = linear_choice.unfused(x, w, b, "none", NO_LIMIT, norm_weight, eps, None)       # (T, (H + 2 KVH) D)
     t, d = x.shape[0], kv_cache.shape[-1]
     if layout == "llama":
         q, k, v = y.split((num_heads * d, num_kv_heads * d, num_kv_heads * d), dim=-1)

@@ -28,12 +28,16 @@ runs come first) and never freed, as captured graphs keep its address.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from . import compile_ahead, pdl
 from .linear import ACTIVATIONS, NO_LIMIT, _check, columns, store
+from .linear_rope_kv import LAYOUTS, pair_columns, rope_kv_epilogue
+from .linear_rope_kv import _check as _check_rope_kv
 
 MAX_ROWS = 64
 
@@ -66,34 +70,16 @@ def _tile(acc, ss, w, x_ptr, g_ptr, stride_xm, M, k0, k_hi, rk, rm, NORM: tl.con
 
 
 @triton.jit
-def _finish(acc, ss, b_ptr, res_ptr, out_ptr, M, N, K, limit, eps, stride_rm, stride_om, pid, rn, n_ok,
-            HAS_BIAS: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """A column block's whole (BLOCK_N, BLOCK_M) product -> norm, bias, activation or residual, stored."""
-    y = tl.trans(acc)
-    rm = tl.arange(0, BLOCK_M)
-    if NORM:
-        y = y / tl.sqrt(ss / K + eps)[:, None]
-    if HAS_BIAS:
-        y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    if HAS_RES:
-        y += tl.load(res_ptr + rm[:, None] * stride_rm + rn[None, :], mask=(rm < M)[:, None] & n_ok[None, :],
-                     other=0.0).to(tl.float32)
-    store(y, out_ptr, M, stride_om, pid, rn, n_ok, N, limit, ACT, BLOCK_M, BLOCK_N)
-
-
-@compile_ahead.kernel
-@triton.jit
-def _skinny_kernel(
-    x_ptr, w_ptr, b_ptr, g_ptr, res_ptr, out_ptr, part_ptr, ss_ptr, count_ptr,
-    M, N, K, limit, eps, stride_xm, stride_rm, stride_om, k_per_split,
-    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, PDL_LATE: tl.constexpr,
-):
-    pid = tl.program_id(0)
+def streamed_product(x_ptr, w_ptr, b_ptr, g_ptr, part_ptr, ss_ptr, count_ptr, M, K, eps, stride_xm, k_per_split,
+                     pid, rn, n_ok,
+                     HAS_BIAS: tl.constexpr, NORM: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+                     USE_PDL: tl.constexpr, PDL_LATE: tl.constexpr):
+    """The (BLOCK_M, BLOCK_N) float32 ``norm(x) @ w[rn].T + b[rn]`` of column block ``pid`` (its
+    weight rows ``rn``, those with ``n_ok``), over K split ``program_id(1)``; and whether this
+    program holds the whole product (no split, or the last split of the block to arrive: it summed
+    the others' partials). Waits for the kernel ahead (PDL) after loading its first weight tile."""
     split = tl.program_id(1)
-    rn, n_ok = columns(pid, N, ACT, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     rm = tl.arange(0, BLOCK_M)
     k_lo = split * k_per_split
@@ -111,10 +97,8 @@ def _skinny_kernel(
         acc, ss = _tile(acc, ss, w, x_ptr, g_ptr, stride_xm, M, k0, k_hi, rk, rm, NORM, EVEN_K)
     if PDL_LATE:  # every weight tile is in: the kernel behind may take this program's slot soon
         pdl.start_dependents(USE_PDL)
-    if SPLIT_K == 1:
-        _finish(acc, ss, b_ptr, res_ptr, out_ptr, M, N, K, limit, eps, stride_rm, stride_om, pid, rn, n_ok,
-                HAS_BIAS, ACT, NORM, HAS_RES, BLOCK_M, BLOCK_N)
-    else:
+    done = True
+    if SPLIT_K > 1:
         j = tl.arange(0, BLOCK_N)
         tiles = part_ptr + pid.to(tl.int64) * (SPLIT_K * BLOCK_N * BLOCK_M) + j[:, None] * BLOCK_M + rm[None, :]
         tl.store(tiles + split * (BLOCK_N * BLOCK_M), acc)
@@ -123,16 +107,65 @@ def _skinny_kernel(
             tl.store(sums + split * BLOCK_M, ss)
         tl.debug_barrier()                     # every thread's partial is written ...
         arrival = count_ptr + pid
-        if tl.atomic_add(arrival, 1, sem="acq_rel") == SPLIT_K - 1:   # ... before it counts in
-            tl.atomic_xchg(arrival, 0, sem="relaxed")                 # ready for the next launch
+        done = tl.atomic_add(arrival, 1, sem="acq_rel") == SPLIT_K - 1   # ... before it counts in
+        if done:
+            tl.atomic_xchg(arrival, 0, sem="relaxed")                   # ready for the next launch
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
             for s in tl.static_range(SPLIT_K):
                 acc += tl.load(tiles + s * (BLOCK_N * BLOCK_M), cache_modifier=".cg")
                 if NORM:
                     ss += tl.load(sums + s * BLOCK_M, cache_modifier=".cg")
-            _finish(acc, ss, b_ptr, res_ptr, out_ptr, M, N, K, limit, eps, stride_rm, stride_om, pid, rn, n_ok,
-                    HAS_BIAS, ACT, NORM, HAS_RES, BLOCK_M, BLOCK_N)
+    y = tl.trans(acc)
+    if NORM:
+        y = y / tl.sqrt(ss / K + eps)[:, None]
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    return y, done
+
+
+@compile_ahead.kernel
+@triton.jit
+def _skinny_kernel(
+    x_ptr, w_ptr, b_ptr, g_ptr, res_ptr, out_ptr, part_ptr, ss_ptr, count_ptr,
+    M, N, K, limit, eps, stride_xm, stride_rm, stride_om, k_per_split,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
+    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, PDL_LATE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rn, n_ok = columns(pid, N, ACT, BLOCK_N)
+    y, done = streamed_product(x_ptr, w_ptr, b_ptr, g_ptr, part_ptr, ss_ptr, count_ptr, M, K, eps, stride_xm,
+                               k_per_split, pid, rn, n_ok, HAS_BIAS, NORM, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K,
+                               EVEN_N, EVEN_K, USE_PDL, PDL_LATE)
+    if done:
+        if HAS_RES:
+            rm = tl.arange(0, BLOCK_M)
+            y += tl.load(res_ptr + rm[:, None] * stride_rm + rn[None, :], mask=(rm < M)[:, None] & n_ok[None, :],
+                         other=0.0).to(tl.float32)
+        store(y, out_ptr, M, stride_om, pid, rn, n_ok, N, limit, ACT, BLOCK_M, BLOCK_N)
+
+
+@compile_ahead.kernel
+@triton.jit
+def _skinny_rope_kv_kernel(
+    x_ptr, w_ptr, b_ptr, g_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, kv_ptr, part_ptr, ss_ptr, count_ptr,
+    M, K, eps, num_slots, stride_xm, stride_kv, stride_cb, stride_cs, stride_ch, k_per_split,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    LAYOUT: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_PDL: tl.constexpr, PDL_LATE: tl.constexpr,
+):
+    """``linear_rope_kv``'s QKV projection on this file's streamed product: its column pairs, its epilogue."""
+    pid = tl.program_id(0)
+    rn, pair_ok = pair_columns(pid, (NUM_HEADS + 2 * NUM_KV_HEADS) * HALF, HALF, BLOCK_N)
+    y, done = streamed_product(x_ptr, w_ptr, b_ptr, g_ptr, part_ptr, ss_ptr, count_ptr, M, K, eps, stride_xm,
+                               k_per_split, pid, rn, pair_ok, HAS_BIAS, NORM, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K,
+                               EVEN_N, EVEN_K, USE_PDL, PDL_LATE)
+    if done:
+        rope_kv_epilogue(y, pid, M, pos_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, kv_ptr, num_slots,
+                         stride_kv, stride_cb, stride_cs, stride_ch, NUM_HEADS, NUM_KV_HEADS, HALF, PAGE_SIZE, LAYOUT,
+                         BLOCK_M, BLOCK_N)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -182,6 +215,33 @@ class _Workspace:
 WORKSPACE = _Workspace()
 
 
+class _Plan(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    split: int
+    k_per_split: int
+    blocks: int
+    num_warps: int
+    stages: int
+    workspace: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _plan(x: torch.Tensor, n: int, norm: bool, config: tuple[int, ...] | None, who: str) -> _Plan:
+    """The grid, tiles and workspace of one launch over ``x``'s rows and ``n`` weight rows."""
+    m, k = x.shape
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"{who}: {m} rows; it serves 1 .. {MAX_ROWS} (more: cuBLAS)")
+    block_n, block_k, split, num_warps, stages = config or launch_config(m, n, k, _num_sms(x.device))
+    block_m = max(16, triton.next_power_of_2(m))
+    blocks = triton.cdiv(n, block_n)
+    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    split = triton.cdiv(k, k_per_split)  # no split without a K tile
+    workspace = WORKSPACE.get(x.device, blocks * split * block_n * block_m if split > 1 else 1,
+                              blocks * split * block_m if split > 1 and norm else 1, blocks)
+    return _Plan(block_m, block_n, block_k, split, k_per_split, blocks, num_warps, stages, workspace)
+
+
 def launch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, activation: str = "none",
            limit: float = NO_LIMIT, config: tuple[int, ...] | None = None, norm_weight: torch.Tensor | None = None,
            eps: float = 0.0, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -190,24 +250,41 @@ def launch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, activation:
     num_warps, num_stages) overrides :func:`launch_config` (benchmarks sweep it)."""
     (m, k), n = x.shape, w.shape[0]
     _check(x, w, b, activation, norm_weight, residual)
-    if not 1 <= m <= MAX_ROWS:
-        raise ValueError(f"skinny_linear: {m} rows; it serves 1 .. {MAX_ROWS} (more: cuBLAS)")
-    block_n, block_k, split, num_warps, stages = config or launch_config(m, n, k, _num_sms(x.device))
-    if activation != "none" and block_n % 2:
-        raise ValueError(f"skinny_linear: a gated activation needs an even BLOCK_N, got {block_n}")
-    block_m = max(16, triton.next_power_of_2(m))
-    blocks = triton.cdiv(n, block_n)   # (SwiGLU: BLOCK_N // 2 gate rows and their up rows a program)
-    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
-    split = triton.cdiv(k, k_per_split)  # no split without a K tile
-    part, sums, counts = WORKSPACE.get(x.device, blocks * split * block_n * block_m if split > 1 else 1,
-                                       blocks * split * block_m if split > 1 and norm_weight is not None else 1,
-                                       blocks)
+    p = _plan(x, n, norm_weight is not None, config, "skinny_linear")
+    if activation != "none" and p.block_n % 2:
+        raise ValueError(f"skinny_linear: a gated activation needs an even BLOCK_N, got {p.block_n}")
     out = compile_ahead.output((m, n if activation == "none" else n // 2), x.dtype, x.device)
-    _skinny_kernel[(blocks, split)](
+    _skinny_kernel[(p.blocks, p.split)](   # (SwiGLU: BLOCK_N // 2 gate rows and their up rows a program)
         x, w, w if b is None else b, w if norm_weight is None else norm_weight, out if residual is None else residual,
-        out, part, sums, counts, m, n, k, limit, eps, x.stride(0), 0 if residual is None else residual.stride(0),
-        out.stride(0), k_per_split,
+        out, *p.workspace, m, n, k, limit, eps, x.stride(0), 0 if residual is None else residual.stride(0),
+        out.stride(0), p.k_per_split,
         HAS_BIAS=b is not None, ACT=ACTIVATIONS[activation], NORM=norm_weight is not None,
-        HAS_RES=residual is not None, SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_N=n % block_n == 0, EVEN_K=k % block_k == 0, num_warps=num_warps, num_stages=stages, PDL_LATE=pdl.late(), **pdl.options(x))
+        HAS_RES=residual is not None, SPLIT_K=p.split, BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k,
+        EVEN_N=n % p.block_n == 0, EVEN_K=k % p.block_k == 0, num_warps=p.num_warps, num_stages=p.stages,
+        PDL_LATE=pdl.late(), **pdl.options(x))
     return out
+
+
+def launch_rope_kv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, norm_weight: torch.Tensor | None,
+                   eps: float, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, positions: torch.Tensor,
+                   cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int, layout: str,
+                   config: tuple[int, ...] | None = None) -> torch.Tensor:
+    """What ``linear_rope_kv.launch`` computes (the QKV projection, RoPE, the KV write; returns the
+    rotated q), for 1 .. 64 rows on this file's split-K product; ``config`` as :func:`launch`'s
+    (BLOCK_N a power of 2 >= 2: column pairs)."""
+    _check_rope_kv(x, w, b, norm_weight, kv_cache, slot_mapping, positions, cos, sin, num_heads, num_kv_heads, layout)
+    (m, k), n, head_dim = x.shape, w.shape[0], kv_cache.shape[-1]
+    p = _plan(x, n, norm_weight is not None, config, "skinny_linear.launch_rope_kv")
+    if p.block_n < 2 or p.block_n & (p.block_n - 1):
+        raise ValueError(f"skinny_linear.launch_rope_kv: BLOCK_N must be a power of 2 >= 2 (column pairs), "
+                         f"got {p.block_n}")
+    q_out = compile_ahead.output((m, num_heads, head_dim), x.dtype, x.device)
+    _skinny_rope_kv_kernel[(p.blocks, p.split)](
+        x, w, w if b is None else b, w if norm_weight is None else norm_weight, positions, cos, sin, slot_mapping,
+        q_out, kv_cache, *p.workspace, m, k, eps, slot_mapping.shape[0], x.stride(0),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), p.k_per_split,
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2, PAGE_SIZE=kv_cache.shape[2],
+        LAYOUT=LAYOUTS[layout], HAS_BIAS=b is not None, NORM=norm_weight is not None, SPLIT_K=p.split,
+        BLOCK_M=p.block_m, BLOCK_N=p.block_n, BLOCK_K=p.block_k, EVEN_N=n % p.block_n == 0, EVEN_K=k % p.block_k == 0,
+        num_warps=p.num_warps, num_stages=p.stages, PDL_LATE=pdl.late(), **pdl.options(x))
+    return q_out
