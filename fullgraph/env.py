@@ -18,10 +18,10 @@ variable                          effect                                        
                                   weight tile)
 ``FULLGRAPH_COMPILE_WORKERS=N``   threads compiling Triton kernels ahead (0: off)     at each capture
 ``FULLGRAPH_LINEAR=IMPL``         linears of 2-64 rows: ``auto`` (cuBLAS on CUDA, the       once
-                                  default), ``triton``, ``skinny`` (the split-K
-                                  weight-streaming kernel, with the decoder layer's
-                                  norm and residual fused as in one-row steps) or
-                                  ``cublas``
+                                  default), ``triton``, ``cublas``, or ``skinny``: the
+                                  split-K weight-streaming kernel for 1-64 rows (one
+                                  row too), the decoder layer's norm, residual and
+                                  RoPE + KV write fused at every such step
 ``FULLGRAPH_FUSE=A,B``            decoder-layer fusions, default ``layer,rope``             once
                                   (``none``: off). In one-row bf16/fp16 CUDA steps:
                                   ``layer`` (RMSNorm on load, residual add in the

@@ -88,8 +88,9 @@ def test_the_choice_follows_the_environment_and_sends_prefill_to_cublas(monkeypa
     for impl, want in (("triton", "triton"), ("skinny", "skinny"), ("cublas", "cublas"),
                        ("auto", "cublas" if x.is_cuda else "triton")):
         monkeypatch.setattr(fullgraph.env, "linear_impl", lambda impl=impl: impl)
-        assert linear_choice.few_rows(x) == want
-        assert linear_choice.few_rows(torch.randn(linear_choice.MAX_ROWS + 1, 8, device=DEVICE)) == "cublas"
+        assert linear_choice.choose(x) == want
+        assert linear_choice.choose(x[:1]) == ("skinny" if impl == "skinny" else "triton")   # one row
+        assert linear_choice.choose(torch.randn(linear_choice.MAX_ROWS + 1, 8, device=DEVICE)) == "cublas"
 
 
 def test_default_config_and_registered_op():

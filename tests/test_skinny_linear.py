@@ -85,7 +85,7 @@ def test_launch_config_splits_until_two_programs_an_sm_or_four_tiles_a_split():
     assert launch_config(64, 2048, 2048)[1] == 64     # 64 rows: half the K tile (shared memory)
 
 
-def test_the_op_dispatches_to_it_for_few_rows_when_chosen(monkeypatch):
+def test_the_op_dispatches_to_it_when_chosen(monkeypatch):
     gen = torch.Generator(DEVICE).manual_seed(4)
     x, w = torch.randn(4, 48, device=DEVICE, generator=gen), torch.randn(24, 48, device=DEVICE, generator=gen)
     g, residual = 1 + 0.2 * torch.randn(48, device=DEVICE, generator=gen), torch.randn(4, 24, device=DEVICE, generator=gen)
@@ -96,8 +96,11 @@ def test_the_op_dispatches_to_it_for_few_rows_when_chosen(monkeypatch):
     got = linear(x, w, None, "none", norm_weight=g, eps=1e-5, residual=residual)
     torch.testing.assert_close(got.double(), ref_linear(x, w, None, norm_weight=g, eps=1e-5, residual=residual),
                                rtol=1e-5, atol=1e-4)
-    linear(x[:1], w)                                   # one row: the one-row kernel
-    assert calls == [4]
+    linear(x[:1], w)                                   # one row too (FULLGRAPH_LINEAR=skinny: 1-64 rows)
+    monkeypatch.setattr(fullgraph.env, "linear_impl", lambda: "auto")
+    linear(x, w)                                       # auto: cuBLAS on CUDA, the tl.dot path under the interpreter
+    linear(x[:1], w)                                   # auto, one row: the one-row kernel
+    assert calls == [4, 1]
 
 
 def test_refusals_name_the_problem():

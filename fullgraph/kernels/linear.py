@@ -252,7 +252,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, acti
     One launch of the weight-streaming kernel for one row; for more rows, cuBLAS with the norm and
     the activation as kernels of their own, unless ``linear_choice`` says ours or the split-K one."""
     args = (x, w, b, activation, limit)
-    impl = linear_choice.few_rows(x) if x.shape[0] > 1 else "triton"
+    impl = linear_choice.choose(x)
     if impl == "cublas":
         return linear_choice.unfused(*args, norm_weight, eps, residual)
     if impl == "skinny":

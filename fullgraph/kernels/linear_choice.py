@@ -1,15 +1,16 @@
-"""Which kernel serves a linear layer of more than one row: ours or cuBLAS.
+"""Which kernel serves a linear layer: ours, the split-K one or cuBLAS.
 
-One row always runs our weight-streaming kernel (``linear.launch``: faster than cuBLAS there, and
+One row runs our weight-streaming kernel (``linear.launch``: faster than cuBLAS there, and
 the only one that fuses the RMSNorm on load and the residual add). For more rows cuBLAS's
 tensor-core kernels stream the weights faster than our ``tl.dot`` path (H200 and H100, 2026-12-05,
 ``benchmarks/sweep_linear.py``: at 32 rows ours takes about twice cuBLAS's time on every layer
 shape measured, at 8 rows it is even), even with the norm, the activation and the add as launches
 of their own (:func:`unfused`), so they take cuBLAS; ``FULLGRAPH_LINEAR=triton`` (``fullgraph.env``)
 forces ours (benchmarks, tests), ``FULLGRAPH_LINEAR=skinny`` the split-K weight-streaming kernel
-(``skinny_linear``: x is read once per 64-128 weight rows, not per 16-32), with which the models
-also fuse the norm and the residual add into their projections at 2-64 rows, as in one-row steps;
-it is opt-in until the H200 measures it. Under the Triton interpreter (no CUDA) ours runs: the
+(``skinny_linear``: x is read once per 64-128 weight rows, not per 16-32, and its weight tiles
+are pipelined through shared memory) for every row count from 1 to 64, with which the models
+fuse the norm, the residual add and RoPE + the KV write into their projections at every such
+step; it is opt-in until the H200 measures it. Under the Triton interpreter (no CUDA) ours runs: the
 kernel under test. A choice measured at run time would have to time each candidate inside a CUDA graph
 over weights that miss the L2, as a step sees them: timed eagerly, back to back, launch overhead
 and a cache-resident weight decided it, and chose ours where it is twice as slow.
@@ -26,12 +27,16 @@ from . import norm
 MAX_ROWS = 64   # more rows take cuBLAS (with the norm and the activation as kernels of their own)
 
 
-def few_rows(x: torch.Tensor) -> str:
-    """Which kernel serves a linear of ``x``'s rows (more than one): ``"triton"`` (``linear.launch``),
-    ``"skinny"`` (``skinny_linear.launch``) or ``"cublas"`` (:func:`unfused`)."""
+def choose(x: torch.Tensor) -> str:
+    """Which kernel serves a linear of ``x``'s rows: ``"triton"`` (``linear.launch``), ``"skinny"``
+    (``skinny_linear.launch``) or ``"cublas"`` (:func:`unfused`). One row takes ``linear.launch``
+    unless ``FULLGRAPH_LINEAR=skinny``, which sends every row count it serves (1-64) to the split-K
+    kernel, so one A/B run compares it with both defaults."""
     if x.shape[0] > MAX_ROWS:  # prefill: tiles of every row would not fit
         return "cublas"
     impl = env.linear_impl()
+    if x.shape[0] == 1:
+        return "skinny" if impl == "skinny" else "triton"
     if impl != "auto":
         return impl
     return "cublas" if x.is_cuda else "triton"

@@ -190,7 +190,7 @@ def linear_rope_kv_write(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | Non
     ``linear`` then ``rope_kv_write`` (cuBLAS for the product), or ``skinny_linear``'s split-K form
     of this launch, as ``linear_choice`` says."""
     args = (x, w, b, norm_weight, eps, kv_cache, slot_mapping, positions, cos, sin, num_heads, num_kv_heads, layout)
-    impl = linear_choice.few_rows(x) if x.shape[0] > 1 else "triton"
+    impl = linear_choice.choose(x)
     if impl == "skinny":
         from . import skinny_linear  # (it builds on this module)
 

@@ -1,4 +1,4 @@
-"""``y = norm(x) @ w.T (+ b)``, then a gated activation or ``+ residual``, for 2-64 rows (decode
+"""``y = norm(x) @ w.T (+ b)``, then a gated activation or ``+ residual``, for 1-64 rows (decode
 batches): a weight-streaming GEMM that reads the weight once, split over K where the layer is narrow.
 
 Why not ``linear``'s own few-row path: there a program streams BLOCK_N = 16-32 weight rows and,
@@ -21,9 +21,8 @@ first weight tile only (a parameter); the workspace is touched only after the wa
 behind that starts early never sees this one's partials.
 
 Layout contract: as ``linear.launch`` (x (M, K) with unit column stride, w (N, K) contiguous, b
-(N,), norm weight (K,), residual (M, N) with unit column stride); 1 <= M <= 64 (the models use
-it for 2-64 rows; ``benchmarks/sweep_linear.py --skinny`` times one row too, against ``linear``). The workspace is
-one per device, grown eagerly (never while a CUDA graph is being captured: the runner's warm-up
+(N,), norm weight (K,), residual (M, N) with unit column stride); 1 <= M <= 64 (one row: padded
+to 16 in the MMA; its masked rows load nothing). The workspace is one per device, grown eagerly (never while a CUDA graph is being captured: the runner's warm-up
 runs come first) and never freed, as captured graphs keep its address.
 """
 from __future__ import annotations

@@ -32,14 +32,14 @@ def use_kernels(x: torch.Tensor) -> bool:
 def kernel_path(x: torch.Tensor, few_rows: bool) -> bool:
     """Whether ``x`` is a half-precision activation on CUDA whose projections run ``kernels.linear``
     (``Linear.uses_kernel``) and whose layers fuse: one row (batch-1 decode), or with ``few_rows``
-    (``FULLGRAPH_LINEAR=skinny``: the split-K kernel, which fuses as the one-row kernel does) 2-64."""
+    (``FULLGRAPH_LINEAR=skinny``: the split-K kernel, which fuses as the one-row kernel does) 1-64."""
     if not (use_kernels(x) and x.dim() == 2 and x.stride(-1) == 1 and x.dtype in (torch.bfloat16, torch.float16)):
         return False
     return x.shape[0] == 1 or (few_rows and 2 <= x.shape[0] <= kernels.linear_max_rows)
 
 
 def few_rows_fuse() -> bool:
-    """``FULLGRAPH_LINEAR=skinny``: steps of 2-64 rows take the kernel path too (read by the layers
+    """``FULLGRAPH_LINEAR=skinny``: steps of up to 64 rows take the kernel path (read by the layers
     at construction, so a compiled forward never reads the environment)."""
     return env.linear_impl() == "skinny"
 
