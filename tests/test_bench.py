@@ -146,6 +146,20 @@ def test_bench_plan_and_host_run_on_cpu(tmp_path, capsys):
         assert sum(r[f"phase_{p}_us"] for p in phases) < 3 * r["step_us"]
 
 
+
+def test_bench_engine_host_runs_on_cpu(tmp_path):
+    from fullgraph.bench.__main__ import main
+
+    out = tmp_path / "engine_host.json"
+    main(["engine-host", "--batch", "1", "3", "--context", "40", "--steps", "6", "--output-kind", "delta",
+          "final_only", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["batch"], r["output_kind"]) for r in rows] == [(1, "delta"), (1, "final_only"), (3, "delta"),
+                                                              (3, "final_only")]
+    for r in rows:   # every decode step schedules, steps the runner and collects the step before
+        assert r["schedule_us"] > 0 and r["runner_us"] > 0 and r["collect_us"] > 0
+        assert r["schedule_us"] + r["runner_us"] + r["collect_us"] < r["step_us"]
+
 def test_bench_serve_runs_on_cpu_and_plots(tmp_path, capsys):
     """bench serve (the engine, the runner's floor) on the toy preset, all at once and at a rate, and
     bench plot of both runs; a serve file beside a decode file is refused."""

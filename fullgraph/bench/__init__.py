@@ -5,6 +5,7 @@ assert on time). ``python -m fullgraph.bench COMMAND --help``:
     serve --preset llama-1b --requests 256 --input-len 512 --output-len 128 [--rate 16] [--peer-hf]
     capture --preset llama-1b          compile --preset llama-1b (twice: first and cached start)
     plan                                host --batch 1 32 256 --blocks 68
+    engine-host --batch 1 64 256 [--output-kind cumulative delta final_only]
     plot --inputs decode.json ... --out decode.png
 """
 from __future__ import annotations

@@ -53,6 +53,13 @@ def main(argv: list[str] | None = None, attention=None) -> None:
     h.add_argument("--batch", type=int, nargs="+", default=[1, 32, 256], help="decode batch sizes")
     h.add_argument("--blocks", type=int, default=68, help="KV pages passed per chunk")
     h.add_argument("--iters", type=int, default=400, help="timed iterations")
+    e = sub.add_parser("engine-host", help="host cost of an engine step once every request decodes, by phase")
+    e.add_argument("--preset", default="toy", choices=presets.names(), help="model shape")
+    e.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256], help="requests decoding at once")
+    e.add_argument("--output-kind", nargs="+", default=["cumulative", "delta", "final_only"],
+                   choices=["cumulative", "delta", "final_only"], help="SamplingParams.output_kind of the requests")
+    e.add_argument("--context", type=int, default=1000, help="prompt tokens of each request")
+    e.add_argument("--steps", type=int, default=200, help="decode steps timed (the median is reported)")
     s = sub.add_parser("serve", help="a serving workload through fg.Engine: throughput, TTFT and TPOT")
     s.add_argument("--preset", default="toy", choices=presets.names(), help="model shape")
     s.add_argument("--requests", type=int, default=64, help="number of requests")
@@ -72,16 +79,17 @@ def main(argv: list[str] | None = None, attention=None) -> None:
     g.add_argument("--inputs", nargs="+", required=True, help="bench decode or bench serve JSON files (one kind)")
     g.add_argument("--context", type=int, default=1024, help="decode: the context of the rows to draw")
     g.add_argument("--out", default="bench.png", help="image to write")
-    for p in (d, c, k, sub.choices["plan"], h, s):
+    for p in (d, c, k, sub.choices["plan"], h, e, s):
         p.add_argument("--out", default=None, help="write the rows as JSON to this path (none: print the table only)")
     args = parser.parse_args(argv)
     if attention is not None:
         args.attention = attention
+    from .engine_host import bench_engine_host
     from .plot import bench_plot
     from .serve import bench_serve
 
     run = {"decode": bench_decode, "capture": bench_capture, "compile": bench_compile, "plan": bench_plan,
-           "host": bench_host, "serve": bench_serve, "plot": bench_plot}[args.command]
+           "host": bench_host, "engine-host": bench_engine_host, "serve": bench_serve, "plot": bench_plot}[args.command]
     try:
         rows = run(args)
     except ValueError as err:
