@@ -38,8 +38,10 @@ def _timed(owner, attr: str, name: str, spent: dict[str, float]) -> None:
 
 def engine_host_row(model, batch: int, kind: str, context: int, steps: int, cuda: bool) -> dict:
     max_model_len = -(-(context + steps + 64) // 256) * 256
+    # (on CUDA only the decode step's size is captured: the prefill steps before it run eagerly)
     runner = FullGraphRunner(model, sampling=True, max_num_seqs=batch, max_num_tokens=min(2048, batch * max_model_len),
-                             max_model_len=max_model_len, cudagraph="full" if cuda else "padded")
+                             max_model_len=max_model_len, cudagraph="full" if cuda else "padded",
+                             **({"capture_sizes": (batch,)} if cuda else {}))
     runner.warmup()
     if not cuda:
         runner._run_static = lambda key, num_reqs: None   # host work only: the padded forward is skipped
