@@ -290,8 +290,8 @@ def _launch_shape(rows: int, device: torch.device) -> tuple[int, int]:
     in many programs beat long ones in few: on the H200 (``bench_sampling.py --sweep``, V =
     128256) top-p 0.9 at batch 32 took 148 us with 4096-token steps at 2 programs per SM and 107
     us with 1024 at 8 (batch 64: 292 -> 193). Fewer rows keep the shape measured there before
-    (4096 at 2 per SM: one step a program already), which also keeps the select pass's walks over
-    the row's chunks short (they visit every chunk in turn)."""
+    (4096 at 2 per SM: one step a program already). Either way a row has about 32 chunks on an
+    H200 at V = 128256 (the select pass finds a listed token's chunk by binary search)."""
     if rows >= MANY_ROWS:
         return BLOCK, 8 * _sms(device)
     return 4 * BLOCK, 2 * _sms(device)
@@ -325,7 +325,8 @@ def launch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     hist = torch.empty(rows, NUM_BUCKETS, dtype=torch.int32, device=dev)
     zones = torch.empty(rows, ZONES_W.value, dtype=torch.int32, device=dev)   # see _level_zones; [7] arrivals
     cand = torch.empty(rows, c, chunk, dtype=torch.int32, device=dev)     # undecided ids, per chunk
-    scratch = torch.empty(rows, cand_block, dtype=torch.int32, device=dev)
+    c_pad = triton.next_power_of_2(c)
+    scratch = torch.empty(rows, cand_block + c_pad, dtype=torch.int32, device=dev)   # packed ids, segment ends
     list_f = torch.empty(rows, c, 2 * list_top + 1, dtype=torch.float32, device=dev)  # scores, values, bound
     list_i = torch.empty(rows, c, list_top, dtype=torch.int32, device=dev)            # the listed ids
     chain_f = torch.empty(rows, c, 5, dtype=torch.float32, device=dev)   # masses above links 0 .. 3, Z
@@ -339,7 +340,7 @@ def launch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     _scan_kernel[(rows, c)](logits, temperature, top_k, min_p, seeds, offsets, part_f, part_i, hist, zones, list_f,
                             list_i, values, vocab, chunk, c, logits.stride(0), T=list_top, TK=TOP_VALUES,
                             FAST=not INTERPRET, num_warps=warps, **meta)
-    meta.update(BPN=BUCKETS_PER_NAT, C_PAD=triton.next_power_of_2(c))
+    meta.update(BPN=BUCKETS_PER_NAT, C_PAD=c_pad)
     params = (temperature, top_k, top_p, min_p, seeds, offsets)
     for level in (1, 2):
         _hist_kernel[(rows, c)](logits, temperature, top_k, top_p, min_p, part_f, hist, zones, list_f, list_i,
@@ -350,7 +351,8 @@ def launch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                                logits.stride(0), num_warps=warps, **meta)
     _select_kernel[(rows,)](logits, *params, part_f, part_i, zones, cand, scratch, out, vocab, c, chunk,
                             logits.stride(0), CB=cand_block, CB_SMALL=max(16, min(CAND_SMALL, cand_block // 4)),
-                            RB=REFINE_BUCKETS, LB=LIST_BLOCK, num_warps=16 if cand_block >= 4096 else 4, **meta)
+                            RB=REFINE_BUCKETS, LB=LIST_BLOCK, C_BITS=c_pad.bit_length() - 1,
+                            num_warps=16 if cand_block >= 4096 else 4, **meta)
     return out
 
 

@@ -59,16 +59,30 @@ def _search(lo, hi, floor_v, base, target, sv, e, x_row, vocab, inv_t, s_max, zr
 
 
 @triton.jit
-def _list_ids(part_i_ptr, cand_ptr, row, num_chunks, seg_cap, start, N: tl.constexpr):
+def _segment_ends(part_i_ptr, ends_ptr, row, num_chunks, C_PAD: tl.constexpr):
+    """Store where each chunk's segment of the row's undecided list ends (the running sum of the
+    chunks' counts) at ``ends_ptr``, for :func:`_list_ids`; visible to every thread on return."""
+    cs = tl.arange(0, C_PAD)
+    counts = tl.load(part_i_ptr + (row * num_chunks + cs) * 3 + 2, mask=cs < num_chunks, other=0)
+    tl.store(ends_ptr + cs, tl.cumsum(counts, 0))
+    tl.debug_barrier()
+
+
+@triton.jit
+def _list_ids(ends_ptr, cand_ptr, row, num_chunks, seg_cap, start, N: tl.constexpr, C_PAD: tl.constexpr,
+              C_BITS: tl.constexpr):
     """Ids at positions start .. start + N of the row's undecided list (the chunks' segments in
-    chunk order), and which positions exist."""
+    chunk order), and which positions exist. Each position finds its chunk, the number of segments
+    ending at or before it, by a branchless binary search over the segment ends (:func:`_segment_ends`;
+    C_PAD of them, the padding ones at the total): C_BITS = log2(C_PAD) rounds of one gather, where
+    a walk over the chunks waited for one load per chunk."""
     p = start + tl.arange(0, N)
-    seg, base, total = tl.zeros([N], tl.int32), tl.zeros([N], tl.int32), 0
-    for c in range(num_chunks):
-        inside = p >= total
-        seg, base = tl.where(inside, c, seg), tl.where(inside, total, base)
-        total += tl.load(part_i_ptr + (row * num_chunks + c) * 3 + 2)
-    ok = p < total
+    seg = tl.zeros([N], tl.int32)
+    for i in tl.static_range(C_BITS):
+        step = C_PAD >> (i + 1)
+        seg += tl.where(tl.load(ends_ptr + seg + (step - 1)) <= p, step, 0)
+    base = tl.load(ends_ptr + seg - 1, mask=seg > 0, other=0)
+    ok = p < tl.load(ends_ptr + C_PAD - 1)
     return tl.load(cand_ptr + (row * num_chunks + seg) * seg_cap + p - base, mask=ok, other=0), ok
 
 
@@ -89,12 +103,12 @@ def _register_search(cid, ok, x_row, vocab, inv_t, s_max, floor_v, base, target,
 
 
 @triton.jit
-def _list_winner(x_row, part_i_ptr, cand_ptr, row, num_chunks, seg_cap, n_list, vocab, inv_t, s_max, v_k, v_p,
-                 min_p, seed, offset, LB: tl.constexpr):
+def _list_winner(x_row, ends_ptr, cand_ptr, row, num_chunks, seg_cap, n_list, vocab, inv_t, s_max, v_k, v_p,
+                 min_p, seed, offset, LB: tl.constexpr, C_PAD: tl.constexpr, C_BITS: tl.constexpr):
     """(score, id) of the Gumbel winner among the listed tokens passing v_k, v_p and min-p."""
     best, best_id = tl.full([], NEG_INF, tl.float32), INT_MAX
     for start in range(0, n_list, LB):
-        cid, ok = _list_ids(part_i_ptr, cand_ptr, row, num_chunks, seg_cap, start, LB)
+        cid, ok = _list_ids(ends_ptr, cand_ptr, row, num_chunks, seg_cap, start, LB, C_PAD, C_BITS)
         s = _scaled(x_row, tl.where(ok, cid, vocab), vocab, inv_t)
         keep = ok & (s > NEG_INF) & (s >= v_k) & (s >= v_p) & (tl.exp(s - s_max) >= min_p)
         score = tl.where(keep, s + _noise_at(cid, seed, offset), NEG_INF)
@@ -106,15 +120,16 @@ def _list_winner(x_row, part_i_ptr, cand_ptr, row, num_chunks, seg_cap, n_list, 
 
 
 @triton.jit
-def _bucket_search(x_row, part_i_ptr, cand_ptr, scratch_row, zrow, row, num_chunks, seg_cap, n_list, vocab,
+def _bucket_search(x_row, ends_ptr, cand_ptr, scratch_row, zrow, row, num_chunks, seg_cap, n_list, vocab,
                    inv_t, s_max, bucket, floor_v, base, target, BY_MASS: tl.constexpr, CB: tl.constexpr,
-                   LB: tl.constexpr, NB: tl.constexpr, BPN: tl.constexpr):
+                   LB: tl.constexpr, NB: tl.constexpr, BPN: tl.constexpr, C_PAD: tl.constexpr,
+                   C_BITS: tl.constexpr):
     """:func:`_register_search` over the listed tokens at one position, packed into ``scratch_row``
     first; also returns how many there were (the result is valid only if <= CB)."""
     b_hi1, b_lo1, sub = tl.load(zrow), tl.load(zrow + 1), tl.load(zrow + 2)
     n = 0
     for start in range(0, n_list, LB):
-        cid, ok = _list_ids(part_i_ptr, cand_ptr, row, num_chunks, seg_cap, start, LB)
+        cid, ok = _list_ids(ends_ptr, cand_ptr, row, num_chunks, seg_cap, start, LB, C_PAD, C_BITS)
         s = _scaled(x_row, tl.where(ok, cid, vocab), vocab, inv_t)
         sel = ok & (_position(s, s_max, b_hi1, b_lo1, sub, NB, BPN) == bucket)
         pos = n + tl.cumsum(sel.to(tl.int32), 0) - 1
@@ -128,16 +143,17 @@ def _bucket_search(x_row, part_i_ptr, cand_ptr, scratch_row, zrow, row, num_chun
 
 
 @triton.jit
-def _refined_thresholds(x_row, part_i_ptr, cand_ptr, scratch_row, zrow, row, num_chunks, seg_cap, n_list, vocab,
+def _refined_thresholds(x_row, ends_ptr, cand_ptr, scratch_row, zrow, row, num_chunks, seg_cap, n_list, vocab,
                         inv_t, s_max, z, n_hi, mass_hi, top_k, top_p, CB: tl.constexpr, RB: tl.constexpr,
-                        LB: tl.constexpr, NB: tl.constexpr, BPN: tl.constexpr):
+                        LB: tl.constexpr, NB: tl.constexpr, BPN: tl.constexpr, C_PAD: tl.constexpr,
+                        C_BITS: tl.constexpr):
     """(v_k, v_p, failed) for a large undecided list: exact counts and masses of its positions
     b_hi .. b_hi + RB - 1 pin each threshold to one position, searched in registers."""
     b_hi1, b_lo1, sub, b_hi = tl.load(zrow), tl.load(zrow + 1), tl.load(zrow + 2), tl.load(zrow + 3)
     r = tl.arange(0, RB)
     cnt, mass = tl.zeros([RB], tl.int32), tl.zeros([RB], tl.float32)
     for start in range(0, n_list, LB):
-        cid, ok = _list_ids(part_i_ptr, cand_ptr, row, num_chunks, seg_cap, start, LB)
+        cid, ok = _list_ids(ends_ptr, cand_ptr, row, num_chunks, seg_cap, start, LB, C_PAD, C_BITS)
         s = _scaled(x_row, tl.where(ok, cid, vocab), vocab, inv_t)
         rel = _position(s, s_max, b_hi1, b_lo1, sub, NB, BPN) - b_hi
         hit = ok[:, None] & (rel[:, None] == r[None, :])                                     # (LB, RB)
@@ -148,18 +164,18 @@ def _refined_thresholds(x_row, part_i_ptr, cand_ptr, scratch_row, zrow, row, num
     r_k = RB
     if (top_k > 0) & (top_k < vocab):
         r_k = tl.sum((n_hi + tl.cumsum(cnt, 0) < top_k).to(tl.int32), 0)                   # its bucket
-        v_k, m_k, n = _bucket_search(x_row, part_i_ptr, cand_ptr, scratch_row, zrow, row, num_chunks, seg_cap, n_list,
+        v_k, m_k, n = _bucket_search(x_row, ends_ptr, cand_ptr, scratch_row, zrow, row, num_chunks, seg_cap, n_list,
                                      vocab, inv_t, s_max, b_hi + r_k, v_k, n_hi + tl.sum(tl.where(r < r_k, cnt, 0), 0),
-                                     top_k, False, CB, LB, NB, BPN)
+                                     top_k, False, CB, LB, NB, BPN, C_PAD, C_BITS)
         fail = (r_k >= RB) | (n > CB)
         z = mass_hi + tl.sum(tl.where(r < r_k, mass, 0.0), 0) + m_k
     v_p = tl.full([], NEG_INF, tl.float32)
     if top_p < 1.0:
         q = top_p * z
         r_p = tl.minimum(tl.sum((mass_hi + tl.cumsum(mass, 0) < q).to(tl.int32), 0), r_k)
-        v_p, _, n = _bucket_search(x_row, part_i_ptr, cand_ptr, scratch_row, zrow, row, num_chunks, seg_cap, n_list,
+        v_p, _, n = _bucket_search(x_row, ends_ptr, cand_ptr, scratch_row, zrow, row, num_chunks, seg_cap, n_list,
                                    vocab, inv_t, s_max, b_hi + r_p, v_k, mass_hi + tl.sum(tl.where(r < r_p, mass, 0.0), 0),
-                                   q, True, CB, LB, NB, BPN)
+                                   q, True, CB, LB, NB, BPN, C_PAD, C_BITS)
         fail = fail | (r_p >= RB) | (n > CB)
     return v_k, v_p, fail
 
@@ -186,10 +202,11 @@ def _row_thresholds(x_row, zrow, vocab, inv_t, s_max, z, n_hi, mass_hi, top_k, t
 
 
 @triton.jit
-def _direct_thresholds(x_row, part_i_ptr, cand_ptr, row, num_chunks, seg_cap, vocab, inv_t, s_max, z, n_hi,
-                       mass_hi, top_k, top_p, CB: tl.constexpr, P: tl.constexpr):
+def _direct_thresholds(x_row, ends_ptr, cand_ptr, row, num_chunks, seg_cap, vocab, inv_t, s_max, z, n_hi,
+                       mass_hi, top_k, top_p, CB: tl.constexpr, P: tl.constexpr, C_PAD: tl.constexpr,
+                       C_BITS: tl.constexpr):
     """(v_k, v_p) with the whole undecided list (<= CB tokens) in registers."""
-    cid, ok = _list_ids(part_i_ptr, cand_ptr, row, num_chunks, seg_cap, 0, CB)
+    cid, ok = _list_ids(ends_ptr, cand_ptr, row, num_chunks, seg_cap, 0, CB, C_PAD, C_BITS)
     v_k = tl.full([], NEG_INF, tl.float32)
     if (top_k > 0) & (top_k < vocab):
         v_k, m_k = _register_search(cid, ok, x_row, vocab, inv_t, s_max, v_k, n_hi, top_k, False, P)
@@ -208,7 +225,8 @@ def _select_kernel(
         vocab, num_chunks, seg_cap,                                                    # sizes
         stride_l,                                                                      # strides
         NB: tl.constexpr, BPN: tl.constexpr, BLOCK: tl.constexpr, C_PAD: tl.constexpr,
-        CB: tl.constexpr, CB_SMALL: tl.constexpr, RB: tl.constexpr, LB: tl.constexpr, USE_PDL: tl.constexpr):
+        CB: tl.constexpr, CB_SMALL: tl.constexpr, RB: tl.constexpr, LB: tl.constexpr, C_BITS: tl.constexpr,
+        USE_PDL: tl.constexpr):
     pdl.wait(USE_PDL)
     pdl.start_dependents(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -217,7 +235,7 @@ def _select_kernel(
     if tl.load(zrow + STATE) != 1:
         token = _unchained(logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, offset_ptr, part_f_ptr,
                            part_i_ptr, cand_ptr, scratch_ptr, zrow, row, vocab, num_chunks, seg_cap, stride_l,
-                           NB, BPN, BLOCK, C_PAD, CB, CB_SMALL, RB, LB)
+                           NB, BPN, BLOCK, C_PAD, CB, CB_SMALL, RB, LB, C_BITS)
     tl.store(out_ptr + row, token.to(tl.int64))
 
 
@@ -225,7 +243,7 @@ def _select_kernel(
 def _unchained(logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, offset_ptr, part_f_ptr, part_i_ptr,
                cand_ptr, scratch_ptr, zrow, row, vocab, num_chunks, seg_cap, stride_l, NB: tl.constexpr,
                BPN: tl.constexpr, BLOCK: tl.constexpr, C_PAD: tl.constexpr, CB: tl.constexpr, CB_SMALL: tl.constexpr,
-               RB: tl.constexpr, LB: tl.constexpr):
+               RB: tl.constexpr, LB: tl.constexpr, C_BITS: tl.constexpr):
     """The token of a row the chain did not decide: greedy, or the winner over its exact thresholds."""
     cs = tl.arange(0, C_PAD)
     x_max = _row_max(part_f_ptr, row, num_chunks, C_PAD)
@@ -248,21 +266,24 @@ def _unchained(logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, 
         n_hi = tl.load(zrow + 5)
         x_row = logits_ptr + row * stride_l
         if n_list > 0:
+            scratch_row = scratch_ptr + row * (CB + C_PAD)
+            ends = scratch_row + CB                                # the list's segment ends, after the ids
+            _segment_ends(part_i_ptr, ends, row, num_chunks, C_PAD)
             if n_list <= CB_SMALL:
-                v_k, v_p = _direct_thresholds(x_row, part_i_ptr, cand_ptr, row, num_chunks, seg_cap, vocab, inv_t,
-                                              s_max, z, n_hi, mass_hi, top_k, top_p, CB_SMALL, 8)
+                v_k, v_p = _direct_thresholds(x_row, ends, cand_ptr, row, num_chunks, seg_cap, vocab, inv_t,
+                                              s_max, z, n_hi, mass_hi, top_k, top_p, CB_SMALL, 8, C_PAD, C_BITS)
             elif n_list <= CB:
-                v_k, v_p = _direct_thresholds(x_row, part_i_ptr, cand_ptr, row, num_chunks, seg_cap, vocab, inv_t,
-                                              s_max, z, n_hi, mass_hi, top_k, top_p, CB, 2)
+                v_k, v_p = _direct_thresholds(x_row, ends, cand_ptr, row, num_chunks, seg_cap, vocab, inv_t,
+                                              s_max, z, n_hi, mass_hi, top_k, top_p, CB, 2, C_PAD, C_BITS)
             else:
-                v_k, v_p, fail = _refined_thresholds(x_row, part_i_ptr, cand_ptr, scratch_ptr + row * CB, zrow,
-                                                     row, num_chunks, seg_cap, n_list, vocab, inv_t, s_max, z,
-                                                     n_hi, mass_hi, top_k, top_p, CB, RB, LB, NB, BPN)
+                v_k, v_p, fail = _refined_thresholds(x_row, ends, cand_ptr, scratch_row, zrow, row, num_chunks,
+                                                     seg_cap, n_list, vocab, inv_t, s_max, z, n_hi, mass_hi, top_k,
+                                                     top_p, CB, RB, LB, NB, BPN, C_PAD, C_BITS)
                 if fail:
                     v_k, v_p = _row_thresholds(x_row, zrow, vocab, inv_t, s_max, z, n_hi, mass_hi, top_k, top_p,
                                                NB, BPN, BLOCK)
-            m, m_id = _list_winner(x_row, part_i_ptr, cand_ptr, row, num_chunks, seg_cap, n_list, vocab, inv_t,
-                                   s_max, v_k, v_p, min_p, seed, offset, LB)
+            m, m_id = _list_winner(x_row, ends, cand_ptr, row, num_chunks, seg_cap, n_list, vocab, inv_t,
+                                   s_max, v_k, v_p, min_p, seed, offset, LB, C_PAD, C_BITS)
             best_id = tl.where((m > best) | ((m == best) & (m_id < best_id)), m_id, best_id)
             best = tl.maximum(best, m)
         token = tl.where(best > NEG_INF, best_id, token)
