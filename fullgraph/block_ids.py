@@ -66,8 +66,12 @@ class BlockIdCache:
     scattering them into the block table ~5 us. A list equal (``==``: a pointer comparison per
     unchanged id) to one of the last valid step's reuses its packed ids and block-table row. When
     every list does, each at most once, the step's ids are a subset of ids already found in range
-    and distinct, so those two checks are skipped; any other step is checked in full, and so raises
-    exactly what ``plan_step`` raises.
+    and distinct, so those two checks are skipped. When the same lists come in the same order and
+    the changed ones only grew (a decode batch in which a few requests took a page: most steps of
+    a large one, whose page boundaries are staggered), only the appended ids are checked: in
+    range, not repeated, in no list of the last valid step (a mask of its ids, kept while the
+    lists only grow) and not shared. Any other step is checked in full, and so raises exactly what
+    ``plan_step`` raises.
     """
 
     def __init__(self) -> None:
@@ -79,12 +83,18 @@ class BlockIdCache:
         # the last valid step in order: its lists' ids and entries, and what lookup returned for it
         self._order: tuple[list[int], list[tuple], tuple] | None = None
         self._pending_order: tuple[list[int], list[tuple], tuple] | None = None
+        # (num_blocks,) bool: the ids of the last valid step in order, or None until a step needs it;
+        # and what the step looked up does to it once committed (ids to add, or None: drop it)
+        self._member: np.ndarray | None = None
+        self._pending_member: list[int] | None = None
 
-    def lookup(self, blk_lists: list[Sequence[int]], count: int, num_blocks: int,
-               width: int) -> tuple[np.ndarray, np.ndarray | None, bool]:
+    def lookup(self, blk_lists: list[Sequence[int]], count: int, num_blocks: int, width: int,
+               shared: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None, bool]:
         """``flatten_ids(blk_lists, count)``; the block-table rows ``(len(blk_lists), width)`` int32, or
-        None; and whether the ids are known to be in range and distinct."""
+        None; and whether the ids are known to be in range and distinct. ``shared``: the (num_blocks,)
+        bool mask of ids several lists may name (none is taken as grown)."""
         limits = (num_blocks, width)
+        self._pending_member = None
         if set(map(type, blk_lists)) != {list}:  # arrays and tuples: converted every step
             self._pending, self._pending_order = ({}, None), None
             return flatten_ids(blk_lists, count), None, False
@@ -96,10 +106,24 @@ class BlockIdCache:
             same = list(map(operator.eq, blk_lists, [entry[0] for entry in order[1]]))
             if all(same):   # every list unchanged since a step that passed: in range, distinct
                 self._pending, self._pending_order = (self._rows, limits), order
+                self._pending_member = []
                 return order[2][0], order[2][1], len(set(keys)) == len(keys)
-            entries = [entry if ok else (ids.copy(), *_packed(ids, width))
-                       for entry, ok, ids in zip(order[1], same, blk_lists)]
-            return self._result(keys, entries, limits, checked=False)
+            entries, grown = [], []
+            for entry, ok, ids in zip(order[1], same, blk_lists):
+                if ok:
+                    entries.append(entry)
+                    continue
+                entries.append((ids.copy(), *_packed(ids, width)))   # (checks the element types)
+                old = entry[0]
+                if grown is not None and len(ids) > len(old) and ids[: len(old)] == old:
+                    grown.extend(ids[len(old):])
+                else:
+                    grown = None
+            checked = grown is not None and len(set(keys)) == len(keys) and self._fresh(grown, num_blocks, order,
+                                                                                       shared)
+            result = self._result(keys, entries, limits, checked)
+            self._pending_member = grown if checked else None
+            return result
         rows = self._rows if limits == self._limits else {}
         entries, checked = [], True
         for key, ids in zip(keys, blk_lists):
@@ -118,10 +142,24 @@ class BlockIdCache:
         self._pending, self._pending_order = (pending, limits), (keys, entries, result)
         return result
 
+    def _fresh(self, new: list, num_blocks: int, order: tuple, shared: np.ndarray | None) -> bool:
+        """Whether ids appended to lists of the last valid step (``order``) keep the step's ids in
+        range and distinct: each in [1, num_blocks), not repeated, not shared and in none of its lists."""
+        if not all(0 < v < num_blocks for v in new) or len(set(new)) != len(new):
+            return False
+        if self._member is None or len(self._member) != num_blocks:
+            self._member = np.zeros(num_blocks, np.bool_)
+            self._member[order[2][0]] = True
+        return not np.count_nonzero(self._member[new]) and (shared is None or not np.count_nonzero(shared[new]))
+
     def commit(self) -> None:
         """The step just looked up passed every check: its lists are the ones to compare with next."""
         self._rows, self._limits = self._pending
         self._order = self._pending_order
+        if self._pending_member is None:
+            self._member = None           # other lists: rebuilt from them when a step needs it
+        elif self._member is not None:
+            self._member[self._pending_member] = True
 
 
 def _packed(ids: list, width: int) -> tuple[bytes, bytes | None]:

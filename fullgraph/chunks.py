@@ -78,7 +78,8 @@ def read_chunks(chunks: Sequence[SeqChunk], config: RunnerConfig, num_blocks: in
         if cache is None:
             blocks, table, checked = flatten_ids(blk_lists, sum(nb_list)), None, False
         else:
-            blocks, table, checked = cache.lookup(blk_lists, sum(nb_list), num_blocks, config.max_blocks_per_seq)
+            blocks, table, checked = cache.lookup(blk_lists, sum(nb_list), num_blocks, config.max_blocks_per_seq,
+                                                  shared)
     except (AttributeError, TypeError, IdsError):
         _explain_types(chunks)
         raise

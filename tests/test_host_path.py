@@ -199,6 +199,13 @@ def test_a_runners_block_id_cache_checks_what_changed_in_full():
         "the null block in place": (lambda: a.__setitem__(0, 0), valid[:1]),
         "an id out of range in place": (lambda: a.__setitem__(0, BIG.num_blocks), valid[:1]),
         "too many ids in place": (lambda: a.extend(range(100, 100 + BIG.max_blocks_per_seq)), valid[:1]),
+        # lists that only grew: just the appended ids are checked, against the last valid step's
+        "an id of another list appended": (lambda: a.append(5), valid),
+        "the same new id appended to both": (lambda: (a.append(50), b.append(50)), valid),
+        "a new id appended twice": (lambda: a.extend([60, 60]), valid),
+        "the null block appended": (lambda: a.append(0), valid),
+        "an id out of range appended": (lambda: b.append(BIG.num_blocks), valid),
+        "a grown list beside a changed one": (lambda: (a.append(70), b.__setitem__(0, 1)), valid),
     }
     for name, (change, chunks) in invalid.items():
         a[:], b[:] = [1, 2, 3], [4, 5]
@@ -215,5 +222,15 @@ def test_a_runners_block_id_cache_checks_what_changed_in_full():
     # a failed step leaves the cache sound: the valid step and a part of it still plan as plan_step does
     for chunks in (valid, valid[1:]):
         assert_same_plan(_plan_cached(chunks, cache), fg.plan_step(chunks, BIG, get_policy("sdpa")))
+    # grown lists that pass, step after step (the appended ids join the last step's), then one that
+    # names an id appended two steps before
+    a[:], b[:] = [1, 2, 3], [4, 5]
+    _plan_cached(valid, cache)
+    for new_a, new_b in ((80, None), (None, 81), (82, 83)):
+        a.extend([new_a] if new_a else []), b.extend([new_b] if new_b else [])
+        assert_same_plan(_plan_cached(valid, cache), fg.plan_step(valid, BIG, get_policy("sdpa")))
+    b.append(80)
+    assert _error(lambda: _plan_cached(valid, cache)) == _error(lambda: fg.plan_step(valid, BIG, get_policy("sdpa")))
+    a[:], b[:] = [1, 2, 3], [4, 5]
     wide = BIG.replace(max_model_len=2 * BIG.max_model_len)  # longer block-table rows than those kept
     assert_same_plan(_plan_cached(valid, cache, wide), fg.plan_step(valid, wide, get_policy("sdpa")))
