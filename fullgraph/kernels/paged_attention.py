@@ -145,7 +145,6 @@ def _paged_attention_kernel(
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
         NUM_SPLITS: tl.constexpr, DECODE: tl.constexpr, SLIDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
         MERGE: tl.constexpr, CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
-    # CHUNK: splits the merging program loads at once (``merge_chunk``)
     pdl.wait(USE_PDL)
     pdl.start_dependents(USE_PDL)
     pid = tl.program_id(0)
@@ -275,14 +274,6 @@ def default_config(head_dim: int, dtype: torch.dtype, decode: bool, keys_per_spl
     return KernelConfig(64, 64, 8, 2)
 
 
-def _cdiv(a: int, b: int) -> int:  # plain Python: torch.compile traces the launchers
-    return -(-a // b)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
 @custom_op("fullgraph::paged_attention", mutates_args=("part_out", "part_lse", "arrivals"))
 def _paged_attention_op(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                         seq_lens: torch.Tensor, block_table: torch.Tensor, part_out: torch.Tensor,
@@ -368,7 +359,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     num_tokens, num_heads, head_dim = q.shape
     if num_splits > 1:
         rows = block_table.shape[0] * num_splits * num_heads
-        need = (rows * _next_pow2(head_dim), rows)
+        need = (rows * (1 << (head_dim - 1).bit_length()), rows)   # (plain Python: compile traces this)
         have = tuple(-1 if t is None else t.numel() for t in (part_out, part_lse))
         if have[0] < need[0] or have[1] < need[1] or part_out.dtype != torch.float32 or part_lse.dtype != torch.float32:
             raise ValueError(f"paged_attention: {num_splits} splits need float32 workspaces of {need} "
@@ -384,7 +375,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         arrivals = q.new_empty(0, dtype=torch.int32)
     max_kv_len = block_table.shape[1] * kv_cache.shape[2]
     span = window if 0 < window < max_kv_len else max_kv_len     # keys one decode program walks at most
-    cfg = config or default_config(head_dim, q.dtype, decode_only, keys_per_split=_cdiv(span, num_splits))
+    cfg = config or default_config(head_dim, q.dtype, decode_only, keys_per_split=-(-span // num_splits))
     return _paged_attention_op(
         q, kv_cache, query_start_loc, seq_lens, block_table, part_out, part_lse, arrivals, float(scale),
         bool(decode_only), int(num_splits), cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
