@@ -3,7 +3,9 @@
 ``add_request`` validates a request (a ``ValueError`` naming it and the field, before anything
 changes) and queues it; each ``step()`` schedules (``Scheduler``), runs one runner step (sampling
 inside the graph) and returns a ``RequestOutput`` for every request that got a token, with the
-text that token made final (``delta_text``) and the whole text so far.
+text that token made final (``delta_text``) and, as its ``SamplingParams.output_kind`` asks, the
+whole text and token ids so far (cumulative), only the new ones (delta), or nothing until the
+request finishes (final_only).
 
 The loop is overlapped by default: step N+1 is planned and launched before step N's tokens are
 read, its decode tokens taking step N's samples on the device (``prev_token_row``), so the host's

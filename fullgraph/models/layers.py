@@ -31,8 +31,8 @@ def use_kernels(x: torch.Tensor) -> bool:
 
 def kernel_path(x: torch.Tensor, few_rows: bool) -> bool:
     """Whether ``x`` is a half-precision activation on CUDA whose projections run ``kernels.linear``
-    (``Linear.uses_kernel``) and whose layers fuse: one row (batch-1 decode), or with ``few_rows``
-    (``FULLGRAPH_LINEAR=skinny``: the split-K kernel, which fuses as the one-row kernel does) 1-64."""
+    (``Linear.uses_kernel``) and whose layers fuse: one row (batch-1 decode), or 2-64 rows with
+    ``few_rows`` (``FULLGRAPH_LINEAR=skinny``: the split-K kernel, which fuses as the one-row one does)."""
     if not (use_kernels(x) and x.dim() == 2 and x.stride(-1) == 1 and x.dtype in (torch.bfloat16, torch.float16)):
         return False
     return x.shape[0] == 1 or (few_rows and 2 <= x.shape[0] <= kernels.linear_max_rows)
