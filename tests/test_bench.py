@@ -128,11 +128,13 @@ def test_hf_peer_refuses_what_llama_cannot_express(monkeypatch, capsys):
         hf_llama(fg.models.Llama(fg.models.LlamaConfig.toy(), seed=0))
 
 
-def test_bench_plan_and_host_run_on_cpu(tmp_path, capsys):
+def test_bench_plan_and_host_run_on_cpu(tmp_path, capsys, monkeypatch):
     from fullgraph.bench.__main__ import main
 
     out = tmp_path / "plan.json"
+    monkeypatch.setenv("FULLGRAPH_PDL", "late")   # the run's knobs travel with its rows
     main(["plan", "--out", str(out)])
+    assert json.loads(out.read_text())["env"]["FULLGRAPH_PDL"] == "late"
     rows = json.loads(out.read_text())["rows"]
     assert [r["decode_chunks"] for r in rows] == [1, 32, 256] and all(r["plan_us_median"] > 0 for r in rows)
     out = tmp_path / "host.json"

@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None, attention=None) -> None:
         with open(args.out, "w") as f:
             json.dump({"command": args.command, "device": torch.cuda.get_device_name() if torch.cuda.is_available()
                        else "cpu", "torch": torch.__version__, "rows": rows,
+                       "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("FULLGRAPH_")},
                        **{k: getattr(args, k) for k in ("preset", "rate") if hasattr(args, k)}}, f, indent=1)
         print(f"wrote {args.out}")
 
