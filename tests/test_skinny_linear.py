@@ -145,8 +145,8 @@ def test_rope_kv_refuses_odd_column_blocks():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("n,k", [(3072, 2048), (2048, 8192), (28672, 4096)])
-@pytest.mark.parametrize("rows", [1, 2, 32, 64])
+@pytest.mark.parametrize("n,k,rows", [(3072, 2048, 1), (3072, 2048, 64), (2048, 8192, 32), (28672, 4096, 2),
+                                      (28672, 4096, 32)])   # one row, 64 (half the K tile), split K, wide
 @pytest.mark.parametrize("fused", ["", "norm+silu", "norm+residual"])
 def test_bf16_model_shapes_flash_rule(n, k, rows, fused):
     """bf16 at model shapes with the default configuration (splits and all) against float64, within
