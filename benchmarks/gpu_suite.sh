@@ -273,7 +273,7 @@ env)
     python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/env.txt"
     ;;
 tests)
-    run gpu_tests 330 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=25 --timeout 150 tests
+    run gpu_tests 420 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=25 --timeout 150 tests
     ;;
 tests-all)
     run gpu_tests 420 python3 -m pytest -m gpu -q -p no:cacheprovider --durations=15 tests
