@@ -89,6 +89,30 @@ def test_preemption_by_a_tiny_page_pool_keeps_greedy_output(reference):
     assert small.runner.blocks.num_free == 10
 
 
+
+def test_a_request_preempted_for_an_earlier_ones_page_gets_no_chunk_that_step():
+    """Two decoding requests, no free page, the earlier one due a page: the later one is preempted
+    (its pages freed, back to the head of the queue) and gets no chunk in that step, even where its
+    freed pages and the budget would fit a chunk of its prompt to redo; the earlier one decodes."""
+    from fullgraph.engine.params import RequestMetrics
+    from fullgraph.engine.scheduler import Request, Scheduler
+    from fullgraph.kv_cache import BlockAllocator
+
+    blocks = BlockAllocator(5)                                   # 4 pages of 4 positions
+    sched = Scheduler(blocks, block_size=4, max_num_seqs=4, max_num_tokens=64)
+    early, late = (Request(name, None, list(range(1, n + 1)), GREEDY, 0, None, RequestMetrics(0.0, num_prompt_tokens=n),
+                           64) for name, n in (("early", 4), ("late", 12)))
+    sched.add(early), sched.add(late)
+    assert [(s.request.request_id, s.count) for s in sched.schedule({})] == [("early", 4), ("late", 12)]
+    for r in (early, late):       # their prompts ran; each sampled a token still on the device
+        r.computed, r.pending = len(r.prompt_ids), 1
+    assert blocks.num_free == 0
+    sched.max_num_tokens = 5      # after early's decode, room for a 4-token chunk: one of late's freed pages
+    slots = sched.schedule({id(early): 0, id(late): 1})        # early's 5th position needs a page
+    assert [(s.request.request_id, s.count, s.prev_row) for s in slots] == [("early", 1, 0)]
+    assert sched.running == [early] and list(sched.waiting) == [late] and blocks.num_free == 2
+    assert late.computed == 0 and not late.blocks and late.metrics.num_preemptions == 1
+
 def test_abort_mid_prefill_and_mid_decode_frees_every_page():
     llm = make_llm(max_num_tokens=32)
     engine, free = llm.engine, llm.runner.blocks.num_free

@@ -141,12 +141,17 @@ class Scheduler:
     def schedule(self, prev_rows: dict[int, int]) -> list[Slot]:
         """The next step's chunks. ``prev_rows``: id(request) -> its row in the step still in flight
         (requests whose newest token is that step's sample)."""
-        slots, budget, bs, preempted = [], self.max_num_tokens, self.block_size, set()
+        slots, budget, bs, preempted, prefilling = [], self.max_num_tokens, self.block_size, set(), []
         # decodes first, oldest first: ``running`` is in admission order (admitted requests are
         # appended, with a growing ``order``), so no sort is needed
         for request in list(self.running):
+            if id(request) in preempted:  # a later request preempted for an earlier one's page: waiting now
+                continue
             length = len(request.prompt_ids) + len(request.outputs) + request.pending
-            if request.computed < length - 1 or length >= request.max_len or id(request) in preempted:
+            if request.computed < length - 1:
+                prefilling.append(request)   # (a preemption below takes only later requests)
+                continue
+            if length >= request.max_len:
                 continue
             if request.matcher is not None and request.pending:
                 continue  # its next mask needs the token still on the device: it runs every other step
@@ -160,7 +165,7 @@ class Scheduler:
                     continue
             slots.append(Slot(request, request.computed, 1, prev_rows.get(id(request), -1), True))
             budget -= 1
-        for request in [r for r in self.running if r.computed < r.length - 1]:  # unfinished prefills
+        for request in prefilling:  # unfinished prefills, in admission order
             budget = self._prefill(request, budget, slots)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
