@@ -139,6 +139,27 @@ def fg_rms_norm(n):
     return norm
 
 
+def bf16_case(n: int, k: int, rows: int, activation: str, norm: bool, residual: bool):
+    """Random bf16 inputs of a linear at a model shape, (x, w, b, norm weight, residual); its float64
+    reference (GeGeLU limit 20); and the largest error of PyTorch's own bf16 pipeline (RMSNorm in
+    bf16, cuBLAS, the activation, the add) against it: the flash-attention rule's baseline."""
+    gen = torch.Generator("cuda").manual_seed(rows)
+    x = (2 * torch.randn(rows, k, device="cuda", generator=gen) + 0.3).bfloat16()
+    w = (torch.randn(n, k, device="cuda", generator=gen) * k ** -0.5).bfloat16()
+    b = (0.02 * torch.randn(n, device="cuda", generator=gen)).bfloat16()
+    g = (1 + 0.2 * torch.randn(k, device="cuda", generator=gen)).bfloat16() if norm else None
+    res = torch.randn(rows, n, device="cuda", generator=gen).bfloat16() if residual else None
+    want = ref_linear(x, w, b, activation, 20.0, g, 1e-5, res)
+    xn = x if g is None else (g * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16())
+    torch_bf16 = F.linear(xn, w, b)
+    if activation != "none":
+        torch_bf16 = torch.ops.fullgraph.gegelu(torch_bf16, 20.0) if activation == "gegelu" \
+            else torch.ops.fullgraph.silu_and_mul(torch_bf16)
+    if res is not None:
+        torch_bf16 = torch_bf16 + res
+    return (x, w, b, g, res), want, (torch_bf16.double() - want).abs().max().item()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("n,k", [(3072, 2048), (4096, 14336), (28672, 4096)])
@@ -150,22 +171,8 @@ def test_bf16_model_shapes_flash_rule(n, k, activation, rows, fused):
     bf16, cuBLAS, the activation, the add) (+ slack); ours launched directly, whatever the choice."""
     if "residual" in fused and activation != "none":
         pytest.skip("the residual epilogue has no activation")
-    gen = torch.Generator("cuda").manual_seed(rows)
-    x = (2 * torch.randn(rows, k, device="cuda", generator=gen) + 0.3).bfloat16()
-    w = (torch.randn(n, k, device="cuda", generator=gen) * k ** -0.5).bfloat16()
-    b = (0.02 * torch.randn(n, device="cuda", generator=gen)).bfloat16()
-    g = (1 + 0.2 * torch.randn(k, device="cuda", generator=gen)).bfloat16() if fused else None
-    res = torch.randn(rows, n, device="cuda", generator=gen).bfloat16() if "residual" in fused else None
-    want = ref_linear(x, w, b, activation, 20.0, g, 1e-5, res)
-    xn = x if g is None else (g * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16())
-    torch_bf16 = F.linear(xn, w, b)
-    if activation != "none":
-        torch_bf16 = torch.ops.fullgraph.gegelu(torch_bf16, 20.0) if activation == "gegelu" \
-            else torch.ops.fullgraph.silu_and_mul(torch_bf16)
-    if res is not None:
-        torch_bf16 = torch_bf16 + res
+    (x, w, b, g, res), want, base = bf16_case(n, k, rows, activation, bool(fused), "residual" in fused)
     got = launch(x, w, b, activation, 20.0, None, g, 1e-5, res)
-    base = (torch_bf16.double() - want).abs().max().item()
     assert (got.double() - want).abs().max().item() <= 2 * base + 1e-3
     torch.testing.assert_close(linear(x, w, b, activation, 20.0, g, 1e-5, res).double(), want,
                                rtol=0, atol=2 * base + 1e-3)  # the op: ours or cuBLAS, whichever it chose

@@ -11,7 +11,7 @@ import fullgraph.env
 from fullgraph.kernels import skinny_linear
 from fullgraph.kernels.linear import linear
 from fullgraph.kernels.skinny_linear import WORKSPACE, launch, launch_config, launch_rope_kv
-from test_linear_kernel import ref_linear
+from test_linear_kernel import bf16_case, ref_linear
 from test_linear_rope_kv import HEAD_DIM, HEADS, assert_cache, inputs, ref_args, reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -152,21 +152,8 @@ def test_bf16_model_shapes_flash_rule(n, k, rows, fused):
     """bf16 at model shapes with the default configuration (splits and all) against float64, within
     twice the error of PyTorch's own bf16 pipeline (+ slack); counters back at zero; the same bits
     inside a CUDA graph's replays."""
-    gen = torch.Generator("cuda").manual_seed(rows)
-    x = (2 * torch.randn(rows, k, device="cuda", generator=gen) + 0.3).bfloat16()
-    w = (torch.randn(n, k, device="cuda", generator=gen) * k ** -0.5).bfloat16()
-    b = (0.02 * torch.randn(n, device="cuda", generator=gen)).bfloat16()
-    g = (1 + 0.2 * torch.randn(k, device="cuda", generator=gen)).bfloat16() if fused else None
-    res = torch.randn(rows, n, device="cuda", generator=gen).bfloat16() if "residual" in fused else None
     activation = "silu_and_mul" if "silu" in fused else "none"
-    want = ref_linear(x, w, b, activation, 20.0, g, 1e-5, res)
-    xn = x if g is None else (g * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16())
-    torch_bf16 = torch.nn.functional.linear(xn, w, b)
-    if activation != "none":
-        torch_bf16 = torch.ops.fullgraph.silu_and_mul(torch_bf16)
-    if res is not None:
-        torch_bf16 = torch_bf16 + res
-    base = (torch_bf16.double() - want).abs().max().item()
+    (x, w, b, g, res), want, base = bf16_case(n, k, rows, activation, bool(fused), "residual" in fused)
     got = launch(x, w, b, activation, 20.0, None, g, 1e-5, res)
     assert (got.double() - want).abs().max().item() <= 2 * base + 1e-3
     counts = WORKSPACE.buffers[x.device][2]

@@ -89,17 +89,22 @@ def _norm_tile(g_ptr, k0, rk, K, NORM: tl.constexpr):
 
 
 @triton.jit
-def _rows_tile(acc, ss, w, x_ptr, g_ptr, stride_xm, M, k0, rk, K, NORM: tl.constexpr, BLOCK_M: tl.constexpr):
-    """One K tile of BLOCK_M rows on the tensor cores: ``acc`` += x_tile @ w_tile.T; with NORM,
-    ``ss`` += each row's sum of squares and x is scaled by the norm weight (rounded to w's dtype)."""
-    rows = tl.arange(0, BLOCK_M)
-    k_ok = k0 + rk < K
+def x_tile(ss, x_ptr, g_ptr, stride_xm, M, k0, rk, k_ok, rows, DTYPE: tl.constexpr, NORM: tl.constexpr):
+    """The (rows, K tile) of x at ``k0`` (rows past M and columns off ``k_ok`` zero), in DTYPE; with
+    NORM, scaled by the norm weight's tile (rounded to DTYPE), and ``ss`` += each row's sum of squares."""
     x = tl.load(x_ptr + rows[:, None] * stride_xm + (k0 + rk)[None, :], mask=(rows < M)[:, None] & k_ok[None, :],
                 other=0.0)
     if NORM:
         xf = x.to(tl.float32)
         ss += tl.sum(xf * xf, axis=1)
-        x = (xf * tl.load(g_ptr + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)[None, :]).to(w.dtype)
+        x = (xf * tl.load(g_ptr + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)[None, :]).to(DTYPE)
+    return x, ss
+
+
+@triton.jit
+def _rows_tile(acc, ss, w, x_ptr, g_ptr, stride_xm, M, k0, rk, K, NORM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """One K tile of BLOCK_M rows on the tensor cores: ``acc`` += x_tile @ w_tile.T (:func:`x_tile`)."""
+    x, ss = x_tile(ss, x_ptr, g_ptr, stride_xm, M, k0, rk, k0 + rk < K, tl.arange(0, BLOCK_M), w.dtype, NORM)
     if w.dtype == tl.float32:  # exact float32 products (tl.dot's default is TF32)
         return tl.dot(x, tl.trans(w), acc, input_precision="ieee"), ss
     return tl.dot(x, tl.trans(w), acc), ss

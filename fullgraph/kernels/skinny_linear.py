@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from . import compile_ahead, pdl
-from .linear import ACTIVATIONS, NO_LIMIT, _check, columns, store
+from .linear import ACTIVATIONS, NO_LIMIT, _check, columns, store, x_tile
 from .linear_rope_kv import LAYOUTS, pair_columns, rope_kv_epilogue
 from .linear_rope_kv import _check as _check_rope_kv
 
@@ -54,15 +54,8 @@ def _weight_tile(w_rows, n_ok, k0, k_hi, rk, EVEN_N: tl.constexpr, EVEN_K: tl.co
 
 @triton.jit
 def _tile(acc, ss, w, x_ptr, g_ptr, stride_xm, M, k0, k_hi, rk, rm, NORM: tl.constexpr, EVEN_K: tl.constexpr):
-    """One K tile: ``acc`` (BLOCK_N, BLOCK_M) += w_tile @ x_tile.T; with NORM, x is scaled by the
-    norm weight on load (rounded to w's dtype) and ``ss`` += each row's sum of squares."""
-    k_ok = (k0 + rk < k_hi) | EVEN_K
-    x = tl.load(x_ptr + rm[:, None] * stride_xm + (k0 + rk)[None, :], mask=(rm < M)[:, None] & k_ok[None, :],
-                other=0.0)
-    if NORM:
-        xf = x.to(tl.float32)
-        ss += tl.sum(xf * xf, axis=1)
-        x = (xf * tl.load(g_ptr + k0 + rk, mask=k_ok, other=0.0).to(tl.float32)[None, :]).to(w.dtype)
+    """One K tile: ``acc`` (BLOCK_N, BLOCK_M) += w_tile @ x_tile.T (``linear.x_tile``: the norm on load)."""
+    x, ss = x_tile(ss, x_ptr, g_ptr, stride_xm, M, k0, rk, (k0 + rk < k_hi) | EVEN_K, rm, w.dtype, NORM)
     if w.dtype == tl.float32:  # exact float32 products (tl.dot's default is TF32)
         return tl.dot(w, tl.trans(x), acc, input_precision="ieee"), ss
     return tl.dot(w, tl.trans(x), acc), ss
