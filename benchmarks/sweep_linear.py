@@ -104,7 +104,7 @@ def main() -> None:
                     continue
                 us = time_calls(lambda w, b: ours(x, w, b, config=cfg, norm_weight=g, eps=1e-5), weights)
                 label = "default " + "x".join(map(str, skinny_linear.launch_config(m, n, k, torch.cuda.get_device_properties(
-                    dev).multi_processor_count))) if cfg is None else "x".join(map(str, cfg))
+                    dev).multi_processor_count, g is not None))) if cfg is None else "x".join(map(str, cfg))
                 results.append((label, us))
             results.sort(key=lambda r: r[1])
             mb = n * k * 2 / 1e6

@@ -89,7 +89,7 @@ def test_the_choice_follows_the_environment_and_sends_prefill_to_cublas(monkeypa
                        ("auto", "cublas" if x.is_cuda else "triton")):
         monkeypatch.setattr(fullgraph.env, "linear_impl", lambda impl=impl: impl)
         assert linear_choice.choose(x) == want
-        assert linear_choice.choose(x[:1]) == ("skinny" if impl == "skinny" else "triton")   # one row
+        assert linear_choice.choose(x[:1]) == "triton"   # one row: the one-row kernel, whatever the setting
         assert linear_choice.choose(torch.randn(linear_choice.MAX_ROWS + 1, 8, device=DEVICE)) == "cublas"
 
 

@@ -73,15 +73,18 @@ def test_repeated_calls_are_identical_and_leave_the_counters_at_zero():
     assert int(counts.count_nonzero()) == 0
 
 
-def test_launch_config_splits_until_two_programs_an_sm_or_four_tiles_a_split():
-    # llama-1b o_proj (2048 x 2048): 32 column blocks of 64; K split 4 ways (4 tiles of 128 each)
+def test_launch_config_fills_the_sms_about_once_with_a_k_tile_a_split_at_least():
+    # llama-1b o_proj (2048 x 2048): 32 column blocks of 64, K split 4 ways (128 programs, >= 0.7 an SM)
     assert launch_config(32, 2048, 2048, num_sms=132)[:3] == (64, 128, 4)
-    # Llama-8B gate_up: 224 column blocks of 128, split 2 ways for 448 programs
-    assert launch_config(32, 28672, 4096, num_sms=132)[:3] == (128, 128, 2)
-    # llama-1b gate_up: 128 column blocks of 128, split 4 ways (256 programs would be just short)
-    assert launch_config(32, 16384, 2048, num_sms=132)[:3] == (128, 128, 4)
-    # a short K never splits below four tiles a split
-    assert launch_config(16, 576, 576, num_sms=132)[2] == 1
+    # its QKV (3072 x 2048): 48 blocks, 2 splits (96 programs) plain; normed on load, 64-long K tiles, 4 splits
+    assert launch_config(32, 3072, 2048, num_sms=132)[:3] == (64, 128, 2)
+    assert launch_config(32, 3072, 2048, num_sms=132, norm=True)[:3] == (64, 64, 4)
+    # gate_up of llama-1b (16384 columns: 256 blocks of 64) and Llama-8B (28672: 224 blocks of 128): no split
+    assert launch_config(32, 16384, 2048, num_sms=132)[:3] == (64, 128, 1)
+    assert launch_config(32, 28672, 4096, num_sms=132)[:3] == (128, 128, 1)
+    # a short K splits only while every split keeps a K tile: SmolLM2's o_proj (576 x 576) 4 ways, not 16
+    assert launch_config(32, 576, 576, num_sms=132)[2] == 4
+    assert launch_config(16, 576, 100, num_sms=132)[2] == 1
     assert launch_config(64, 2048, 2048)[1] == 64     # 64 rows: half the K tile (shared memory)
 
 
@@ -96,11 +99,12 @@ def test_the_op_dispatches_to_it_when_chosen(monkeypatch):
     got = linear(x, w, None, "none", norm_weight=g, eps=1e-5, residual=residual)
     torch.testing.assert_close(got.double(), ref_linear(x, w, None, norm_weight=g, eps=1e-5, residual=residual),
                                rtol=1e-5, atol=1e-4)
-    linear(x[:1], w)                                   # one row too (FULLGRAPH_LINEAR=skinny: 1-64 rows)
+    linear(x[:2], w)
+    linear(x[:1], w)                                   # one row keeps the one-row kernel, even so
     monkeypatch.setattr(fullgraph.env, "linear_impl", lambda: "auto")
     linear(x, w)                                       # auto: cuBLAS on CUDA, the tl.dot path under the interpreter
     linear(x[:1], w)                                   # auto, one row: the one-row kernel
-    assert calls == [4, 1]
+    assert calls == [4, 2]
 
 
 def test_refusals_name_the_problem():

@@ -29,14 +29,14 @@ MAX_ROWS = 64   # more rows take cuBLAS (with the norm and the activation as ker
 
 def choose(x: torch.Tensor) -> str:
     """Which kernel serves a linear of ``x``'s rows: ``"triton"`` (``linear.launch``), ``"skinny"``
-    (``skinny_linear.launch``) or ``"cublas"`` (:func:`unfused`). One row takes ``linear.launch``
-    unless ``FULLGRAPH_LINEAR=skinny``, which sends every row count it serves (1-64) to the split-K
-    kernel, so one A/B run compares it with both defaults."""
+    (``skinny_linear.launch``) or ``"cublas"`` (:func:`unfused`). One row always takes
+    ``linear.launch`` (H100, ``sweep_linear.py --skinny``: 4.9-23.1 us against the split-K kernel's
+    6.4-25.0 on llama-1b's four matrices); ``FULLGRAPH_LINEAR=skinny`` sends 2-64 rows to the split-K one."""
     if x.shape[0] > MAX_ROWS:  # prefill: tiles of every row would not fit
         return "cublas"
     impl = env.linear_impl()
-    if x.shape[0] == 1:
-        return "skinny" if impl == "skinny" else "triton"
+    if x.shape[0] == 1:   # the one-row kernel beats the split-K one at every layer shape measured
+        return "triton"
     if impl != "auto":
         return impl
     return "cublas" if x.is_cuda else "triton"
