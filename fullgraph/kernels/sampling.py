@@ -274,7 +274,8 @@ def _compact_kernel(
 
 
 INTERPRET = env.triton_interpret()   # read once: the interpreter has no fast_log2f
-MANY_ROWS = 16  # from this many rows the row passes take BLOCK-token steps over 8 programs per SM
+MANY_ROWS = 16  # from this many rows the row passes take BLOCK-token steps over 4 programs per SM ...
+MOST_ROWS = 64  # ... and from this many over 8
 
 
 @functools.cache
@@ -289,11 +290,16 @@ def _launch_shape(rows: int, device: torch.device) -> tuple[int, int]:
     dependent steps (load, bucket, histogram, scan), so once there are rows enough, short chains
     in many programs beat long ones in few: on the H200 (``bench_sampling.py --sweep``, V =
     128256) top-p 0.9 at batch 32 took 148 us with 4096-token steps at 2 programs per SM and 107
-    us with 1024 at 8 (batch 64: 292 -> 193). Fewer rows keep the shape measured there before
-    (4096 at 2 per SM: one step a program already). Either way a row has about 32 chunks on an
-    H200 at V = 128256 (the select pass finds a listed token's chunk by binary search)."""
-    if rows >= MANY_ROWS:
+    us with 1024 at 8 (batch 64: 292 -> 193). Between 16 and 64 rows 4 programs per SM beat 8
+    (H100, 1024-token steps, batch 32: top-p 0.9 30.4-30.6 us against 31.3, top-k 50 + top-p 0.95
+    39.3-40.4 against 44.6-45.5); at 64 rows 8 stay (the H200 took 113 us for top-p at 4 an SM,
+    47 at 8). Fewer rows keep the shape measured there before (4096 at 2 per SM: one step a
+    program already). A row has 17-33 chunks on an H200 at V = 128256 (the select pass finds a
+    listed token's chunk by binary search)."""
+    if rows >= MOST_ROWS:
         return BLOCK, 8 * _sms(device)
+    if rows >= MANY_ROWS:
+        return BLOCK, 4 * _sms(device)
     return 4 * BLOCK, 2 * _sms(device)
 
 
