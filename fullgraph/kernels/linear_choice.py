@@ -8,9 +8,10 @@ shape measured, at 8 rows it is even), even with the norm, the activation and th
 of their own (:func:`unfused`), so they take cuBLAS; ``FULLGRAPH_LINEAR=triton`` (``fullgraph.env``)
 forces ours (benchmarks, tests), ``FULLGRAPH_LINEAR=skinny`` the split-K weight-streaming kernel
 (``skinny_linear``: x is read once per 64-128 weight rows, not per 16-32, and its weight tiles
-are pipelined through shared memory) for every row count from 1 to 64, with which the models
-fuse the norm, the residual add and RoPE + the KV write into their projections at every such
-step; it is opt-in until the H200 measures it. Under the Triton interpreter (no CUDA) ours runs: the
+are pipelined through shared memory) for 2-64 rows, with which the models fuse the norm, the
+residual add and RoPE + the KV write into their projections at every such step; it is opt-in
+while it measures slower in the model (H100, 2026-12-06: llama-1b batch 32 1.811 -> 2.160 ms
+with its first launch config; the one the kernel sweep chose since is not timed in the model). Under the Triton interpreter (no CUDA) ours runs: the
 kernel under test. A choice measured at run time would have to time each candidate inside a CUDA graph
 over weights that miss the L2, as a step sees them: timed eagerly, back to back, launch overhead
 and a cache-resident weight decided it, and chose ours where it is twice as slow.
