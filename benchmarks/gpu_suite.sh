@@ -168,8 +168,8 @@ engine)
     run mask 60 python3 benchmarks/bench_mask.py --out "$OUT/mask.json"
     ;;
 sampling)  # the sampling kernel alone: undecided tokens per row, each pass at batch 32, the table (no sort reference)
-    run sampling_passes 150 python3 benchmarks/bench_sampling.py --skip-reference --zones --passes --sweep \
-        --out "$OUT/sampling.json"
+    run sampling_passes 180 python3 benchmarks/bench_sampling.py --skip-reference --zones --passes --sweep \
+        --pairwise-ab --out "$OUT/sampling.json"
     ;;
 sanitize)  # quick: triton and block-sparse kernels, with programmatic dependent launch and without
     run sanitize 200 python3 benchmarks/sanitize.py --quick --tools initcheck memcheck --timeout 90 --out "$OUT/sanitize.json"

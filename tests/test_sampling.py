@@ -356,6 +356,62 @@ def test_topk_rows_match_reference_on_every_path(knobs):
         assert (state[listed] == 2).sum() >= 3, "lists past cand_block fall back"
 
 
+def check_thresholds(logits: torch.Tensor, params: dict, zones: torch.Tensor, rows: torch.Tensor) -> None:
+    """The select pass's v_k (zones column 10) is the row's k-th largest scaled logit, exactly; its
+    v_p (column 11) the top-p cut over the tokens at or above v_k, in float64 to 1e-5 of the mass
+    (-inf: the cut lies below every token min-p keeps)."""
+    bits = zones[:, 10:12].contiguous().view(torch.float32).cpu()
+    for r in rows.tolist():
+        t = params["temperature"][r].float()
+        s = logits[r].float() * (torch.tensor(1.0) / t)               # as the kernel scales (no FMA)
+        k, top_p = int(params["top_k"][r]), float(params["top_p"][r])
+        v_k, v_p = bits[r].tolist()
+        want_k = torch.topk(s, k).values[-1].item() if 0 < k < len(s) else -INF
+        assert v_k == want_k, f"row {r}: v_k {v_k} against the {k}-th largest {want_k}"
+        s64 = s.double()
+        kept = s64 >= v_k
+        e = torch.exp(s64 - s64.max())
+        q = top_p * e[kept].sum().item()
+        if top_p >= 1.0:
+            assert v_p == -INF, f"row {r}: v_p {v_p} without a top-p"
+            continue
+        if v_p == -INF:   # top-p keeps every listed token: its cut lies below min-p's
+            survivors = e[kept & (e >= float(params["min_p"][r]))].sum().item()
+            assert survivors < q * (1 + 1e-5), f"row {r}: no top-p cut, but min-p keeps {survivors} of {q}"
+            continue
+        mass = lambda v: e[kept & (s64 >= v)].sum().item()           # noqa: E731
+        assert v_p in s[kept].tolist() and mass(v_p) >= q * (1 - 1e-5), f"row {r}: v_p {v_p} keeps too little"
+        above = s64[kept & (s64 > v_p)]
+        assert len(above) == 0 or mass(above.min().item()) < q * (1 + 1e-5), f"row {r}: v_p {v_p} is not the cut"
+
+
+def test_pairwise_thresholds_match_the_search():
+    """Undecided lists of at most PAIR_BLOCK (128) tokens take their top-k and top-p thresholds from
+    one pairwise comparison instead of the key search. Both forms find the exact thresholds and the
+    reference's token on every row (histogram-path top-k rows, whose threshold falls inside the list,
+    listed top-k rows, ties, -inf logits, min-p), and lists of both sizes occur."""
+    g = torch.Generator().manual_seed(29)
+    rows, vocab = 48, 3000
+    logits = torch.randn(rows, vocab, generator=g) * (torch.rand(rows, 1, generator=g) * 3 + 0.5)
+    logits[::3] = torch.round(logits[::3] * 2) / 2                                # wide ties
+    logits[1::8, ::4] = -INF
+    top_k = torch.randint(1, 300, (rows,), generator=g)
+    top_k[::7] = 0                                                                # top-p alone
+    params = make_params(rows, temperature=torch.rand(rows, generator=g) * 1.5 + 0.3, top_k=top_k,
+                         top_p=torch.where(torch.arange(rows) % 2 == 0, torch.rand(rows, generator=g) * 0.8 + 0.1, 1.0),
+                         min_p=torch.where(torch.arange(rows) % 5 == 2, 0.05, 0.0),
+                         seed=torch.randint(-2**62, 2**62, (rows,), generator=g), device=torch.device("cpu"))
+    want = sample_reference(logits, **params).tolist()
+    for pair_block in (kernel.PAIR_BLOCK, 0):
+        ws: dict = {}
+        assert run_kernel(logits, params, workspace=ws, block=256, num_chunks=4, pair_block=pair_block).tolist() == want
+        n_list = ws["part_i"][..., 2].sum(-1).cpu()
+        selected = (ws["zones"][:, 8].cpu() != 1) & (n_list > 0)                  # not decided by the chain
+        check_thresholds(logits, params, ws["zones"], torch.nonzero(selected).flatten())
+    assert (selected & (n_list <= 128)).sum() >= 8, "lists the pairwise form serves"
+    assert (selected & (n_list > 128)).sum() >= 3, "longer lists keep the search"
+
+
 def test_chain_decides_rows_with_chunks_of_few_finite_logits():
     """A chunk with no more finite logits than it lists (a structured-output mask, say) bounds the
     rest by -inf: the chain still proves its links and decides the row."""

@@ -11,10 +11,12 @@ BUCKETS_PER_NAT = 16   # ... each 1/16 nat wide: 16 nats before the overflow buc
 REFINE_ABOVE = 512     # undecided tokens past which a row gets the level-2 histogram
 BLOCK = 1024           # tokens per loop step of the row passes (H200 sweep: 1024 at 8 programs per SM)
 CAND_BLOCK = 4096      # undecided tokens the select pass holds in registers ...
-CAND_SMALL = 512       # ... in a lighter variant when there are only a few
+CAND_SMALL = 512       # ... in a lighter variant when there are only a few ...
+PAIR_BLOCK = 128       # ... and compared pairwise when there are at most this many (a top-k of 50)
 REFINE_BUCKETS = 64    # buckets below b_hi the select pass can narrow a large undecided zone to
 LIST_BLOCK = 256       # tokens per step when the select pass walks the undecided list
 ZONES_W = tl.constexpr(16)   # ints a row's zones hold (see kernels/sampling.py, _level_zones and sampling_chain)
+THRESHOLDS = tl.constexpr(10)   # zones columns 10, 11: the float bits of v_k and v_p where the select pass found them
 NEG_INF = tl.constexpr(float("-inf"))
 INT_MAX = tl.constexpr(2**31 - 1)
 
