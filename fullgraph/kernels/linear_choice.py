@@ -11,10 +11,11 @@ forces ours (benchmarks, tests), ``FULLGRAPH_LINEAR=skinny`` the split-K weight-
 are pipelined through shared memory) for 2-64 rows, with which the models fuse the norm, the
 residual add and RoPE + the KV write into their projections at every such step; it is opt-in
 while it measures slower in the model (H100, 2026-12-06: llama-1b batch 32 1.811 -> 2.160 ms
-with its first launch config; the one the kernel sweep chose since is not timed in the model). Under the Triton interpreter (no CUDA) ours runs: the
-kernel under test. A choice measured at run time would have to time each candidate inside a CUDA graph
-over weights that miss the L2, as a step sees them: timed eagerly, back to back, launch overhead
-and a cache-resident weight decided it, and chose ours where it is twice as slow.
+with its first launch config; the one the kernel sweep chose since is not timed in the model).
+Under the Triton interpreter (no CUDA) ours runs: the kernel under test. A choice measured at run
+time would have to time each candidate inside a CUDA graph over weights that miss the L2, as a
+step sees them: timed eagerly, back to back, launch overhead and a cache-resident weight decided
+it, and chose ours where it is twice as slow.
 """
 from __future__ import annotations
 
