@@ -17,13 +17,15 @@ variable                          effect                                        
                                   their wait (default ``late``: after their last
                                   weight tile)
 ``FULLGRAPH_COMPILE_WORKERS=N``   threads compiling Triton kernels ahead (0: off)     at each capture
-``FULLGRAPH_LINEAR=IMPL``         linears of 2-64 rows: ``auto`` (cuBLAS on CUDA, the       once
-                                  default), ``triton``, ``cublas``, or ``skinny``: the
-                                  split-K weight-streaming kernel for 1-64 rows (one
-                                  row too), the decoder layer's norm, residual and
-                                  RoPE + KV write fused at every such step
+``FULLGRAPH_LINEAR=IMPL``         linears of 2-64 rows: ``auto`` (the default: on CUDA      once
+                                  the split-K weight-streaming kernel for 2-32 rows,
+                                  the decoder layer's norm, residual and RoPE + KV
+                                  write fused into it; cuBLAS for 33-64), ``skinny``
+                                  (split-K for 2-64), ``cublas`` (2-64, the layer
+                                  unfused) or ``triton`` (our tl.dot kernel)
 ``FULLGRAPH_FUSE=A,B``            decoder-layer fusions, default ``layer,rope``             once
-                                  (``none``: off). In one-row bf16/fp16 CUDA steps:
+                                  (``none``: off). In bf16/fp16 CUDA steps of 1-32
+                                  rows (``FULLGRAPH_LINEAR``'s fused ones):
                                   ``layer`` (RMSNorm on load, residual add in the
                                   epilogue), ``rope`` (RoPE + KV write in the QKV
                                   projection); in decode steps: ``reduce`` (the split-KV

@@ -13,7 +13,7 @@ import fullgraph.kernels
 from fullgraph.attention import Attention
 from fullgraph.kernels import linear_choice
 from fullgraph.kernels.linear import NO_LIMIT, launch, launch_config, linear
-from fullgraph.models.layers import Linear, PreNormDecoderLayer
+from fullgraph.models.layers import Linear, PreNormDecoderLayer, fused_max_rows, kernel_path
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -84,13 +84,23 @@ def test_the_cublas_form_computes_the_same(epilogue):
 
 
 def test_the_choice_follows_the_environment_and_sends_prefill_to_cublas(monkeypatch):
-    x = torch.randn(4, 8, device=DEVICE)
-    for impl, want in (("triton", "triton"), ("skinny", "skinny"), ("cublas", "cublas"),
-                       ("auto", "cublas" if x.is_cuda else "triton")):
+    x = torch.randn(linear_choice.MAX_ROWS, 8, device=DEVICE)
+    few, many = linear_choice.SKINNY_ROWS, linear_choice.SKINNY_ROWS + 1   # auto's last split-K step and the next
+    for impl, want_few, want_many, fuse_rows in (
+            ("triton", "triton", "triton", 1), ("skinny", "skinny", "skinny", linear_choice.MAX_ROWS),
+            ("cublas", "cublas", "cublas", 1),
+            ("auto", "skinny" if x.is_cuda else "triton", "cublas" if x.is_cuda else "triton", linear_choice.SKINNY_ROWS)):
         monkeypatch.setattr(fullgraph.env, "linear_impl", lambda impl=impl: impl)
-        assert linear_choice.choose(x) == want
+        assert (linear_choice.choose(x[:2]), linear_choice.choose(x[:few])) == (want_few, want_few), impl
+        assert linear_choice.choose(x[:many]) == linear_choice.choose(x) == want_many, impl
         assert linear_choice.choose(x[:1]) == "triton"   # one row: the one-row kernel, whatever the setting
         assert linear_choice.choose(torch.randn(linear_choice.MAX_ROWS + 1, 8, device=DEVICE)) == "cublas"
+        # on CUDA the layers fuse exactly the steps whose linears take the one-row or the split-K kernel
+        assert linear_choice.max_skinny_rows() == fuse_rows, impl
+        half = x.to(torch.bfloat16)
+        for rows in (1, 2, few, many, linear_choice.MAX_ROWS):
+            fusing = half.is_cuda and (rows == 1 or linear_choice.choose(half[:rows]) == "skinny")
+            assert kernel_path(half[:rows], fused_max_rows()) == fusing, (impl, rows)
 
 
 def test_default_config_and_registered_op():

@@ -1,21 +1,21 @@
 """Which kernel serves a linear layer: ours, the split-K one or cuBLAS.
 
 One row runs our weight-streaming kernel (``linear.launch``: faster than cuBLAS there, and
-the only one that fuses the RMSNorm on load and the residual add). For more rows cuBLAS's
-tensor-core kernels stream the weights faster than our ``tl.dot`` path (H200 and H100, 2026-12-05,
-``benchmarks/sweep_linear.py``: at 32 rows ours takes about twice cuBLAS's time on every layer
-shape measured, at 8 rows it is even), even with the norm, the activation and the add as launches
-of their own (:func:`unfused`), so they take cuBLAS; ``FULLGRAPH_LINEAR=triton`` (``fullgraph.env``)
-forces ours (benchmarks, tests), ``FULLGRAPH_LINEAR=skinny`` the split-K weight-streaming kernel
-(``skinny_linear``: x is read once per 64-128 weight rows, not per 16-32, and its weight tiles
-are pipelined through shared memory) for 2-64 rows, with which the models fuse the norm, the
-residual add and RoPE + the KV write into their projections at every such step; it is opt-in
-while it measures slower in the model (H100, 2026-12-06: llama-1b batch 32 1.811 -> 2.160 ms
-with its first launch config; the one the kernel sweep chose since is not timed in the model).
-Under the Triton interpreter (no CUDA) ours runs: the kernel under test. A choice measured at run
-time would have to time each candidate inside a CUDA graph over weights that miss the L2, as a
-step sees them: timed eagerly, back to back, launch overhead and a cache-resident weight decided
-it, and chose ours where it is twice as slow.
+the only one that fuses the RMSNorm on load and the residual add). 2-32 rows run the split-K
+weight-streaming kernel (``skinny_linear``: x is read once per 64-128 weight rows, its weight tiles
+pipelined through shared memory), with which the models fuse the norm, the residual add and RoPE +
+the KV write into their projections (``models.layers.fused_max_rows``): H100, 2026-12-06,
+``gpu_suite.sh skinny``, overlapped decode step against cuBLAS with the norm, the activation and
+the add as launches of their own (:func:`unfused`): llama-1b batch 8 / 32 1.435 / 1.854 -> 1.386 /
+1.771 ms, SmolLM2 0.930 / 1.305 -> 0.815 / 1.141, Llama-8B 6.597 / 7.890 -> 6.577 / 7.718. At 64
+rows cuBLAS is faster (llama-1b 2.339 against 2.409, SmolLM2 1.646 against 1.756), so 33-64 rows
+take cuBLAS, as every longer step does. ``FULLGRAPH_LINEAR`` (``fullgraph.env``) overrides:
+``skinny`` for 2-64 rows, ``cublas`` for all of them (the unfused layer), ``triton`` for our
+``tl.dot`` path (about twice cuBLAS's time at 32 rows: benchmarks and tests).
+Under the Triton interpreter (no CUDA) ``auto`` takes ours: the kernel under test. A choice measured
+at run time would have to time each candidate inside a CUDA graph over weights that miss the L2,
+as a step sees them: timed eagerly, back to back, launch overhead and a cache-resident weight
+decided it, and chose ours where it is twice as slow.
 """
 from __future__ import annotations
 
@@ -27,21 +27,33 @@ from . import activation as act
 from . import norm
 
 MAX_ROWS = 64   # more rows take cuBLAS (with the norm and the activation as kernels of their own)
+SKINNY_ROWS = 32  # ``auto`` on CUDA: 2 to this many rows take the split-K kernel, more take cuBLAS
+
+
+def max_skinny_rows() -> int:
+    """The most rows that take the split-K kernel on CUDA (and fuse the layer around it), as
+    ``FULLGRAPH_LINEAR`` says: ``auto`` :data:`SKINNY_ROWS`, ``skinny`` :data:`MAX_ROWS`, else 1
+    (none: one row takes the one-row kernel)."""
+    impl = env.linear_impl()
+    return SKINNY_ROWS if impl == "auto" else MAX_ROWS if impl == "skinny" else 1
 
 
 def choose(x: torch.Tensor) -> str:
     """Which kernel serves a linear of ``x``'s rows: ``"triton"`` (``linear.launch``), ``"skinny"``
     (``skinny_linear.launch``) or ``"cublas"`` (:func:`unfused`). One row always takes
     ``linear.launch`` (H100, ``sweep_linear.py --skinny``: 4.9-23.1 us against the split-K kernel's
-    6.4-25.0 on llama-1b's four matrices); ``FULLGRAPH_LINEAR=skinny`` sends 2-64 rows to the split-K one."""
-    if x.shape[0] > MAX_ROWS:  # prefill: tiles of every row would not fit
+    6.4-25.0 on llama-1b's four matrices); 2 to :func:`max_skinny_rows` rows on CUDA the split-K one."""
+    rows = x.shape[0]
+    if rows > MAX_ROWS:  # prefill: tiles of every row would not fit
         return "cublas"
-    impl = env.linear_impl()
-    if x.shape[0] == 1:   # the one-row kernel beats the split-K one at every layer shape measured
+    if rows == 1:   # the one-row kernel beats the split-K one at every layer shape measured
         return "triton"
+    impl = env.linear_impl()
     if impl != "auto":
         return impl
-    return "cublas" if x.is_cuda else "triton"
+    if not x.is_cuda:
+        return "triton"
+    return "skinny" if rows <= SKINNY_ROWS else "cublas"
 
 
 def unfused(x, w, b, activation, limit, norm_weight, eps, residual) -> torch.Tensor:

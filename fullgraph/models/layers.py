@@ -29,19 +29,21 @@ def use_kernels(x: torch.Tensor) -> bool:
     return kernels is not None and x.is_cuda
 
 
-def kernel_path(x: torch.Tensor, few_rows: bool) -> bool:
-    """Whether ``x`` is a half-precision activation on CUDA whose projections run ``kernels.linear``
-    (``Linear.uses_kernel``) and whose layers fuse: one row (batch-1 decode), or 2-64 rows with
-    ``few_rows`` (``FULLGRAPH_LINEAR=skinny``: the split-K kernel, which fuses as the one-row one does)."""
+def kernel_path(x: torch.Tensor, fuse_rows: int) -> bool:
+    """Whether ``x`` is a half-precision activation on CUDA whose projections run our kernels
+    (``Linear.uses_kernel``) and whose layers fuse: one row (batch-1 decode, the one-row kernel), or
+    2 to ``fuse_rows`` rows (:func:`fused_max_rows`: the split-K kernel, which fuses as the one-row
+    one does)."""
     if not (use_kernels(x) and x.dim() == 2 and x.stride(-1) == 1 and x.dtype in (torch.bfloat16, torch.float16)):
         return False
-    return x.shape[0] == 1 or (few_rows and 2 <= x.shape[0] <= kernels.linear_max_rows)
+    return x.shape[0] <= fuse_rows  # fuse_rows >= 1
 
 
-def few_rows_fuse() -> bool:
-    """``FULLGRAPH_LINEAR=skinny``: steps of up to 64 rows take the kernel path (read by the layers
-    at construction, so a compiled forward never reads the environment)."""
-    return env.linear_impl() == "skinny"
+def fused_max_rows() -> int:
+    """The most rows whose steps take the kernel path (``kernels.linear_choice.max_skinny_rows``:
+    32 by default, 64 with ``FULLGRAPH_LINEAR=skinny``, 1 with ``cublas`` or ``triton``); read by
+    the layers at construction, so a compiled forward never reads the environment."""
+    return kernels.linear_skinny_rows() if kernels is not None else 1
 
 
 class Linear(nn.Linear):
@@ -49,9 +51,8 @@ class Linear(nn.Linear):
     residual)`` is ``F.linear(norm(x)) + residual``, the shape of every projection in a pre-norm
     decoder layer.
 
-    Its one-row steps on CUDA in half precision (batch-1 decode; 2-64 rows too with
-    ``FULLGRAPH_LINEAR=skinny``: ``kernel_path``) run ``kernels.linear``, a
-    weight-streaming kernel that beats cuBLAS there (one launch, no split-K reduce; measured in
+    Its steps of one to 32 rows on CUDA in half precision (decode; ``kernel_path``) run
+    ``kernels.linear``: a weight-streaming kernel (one row) or the split-K one (2-32 rows) that beats cuBLAS there (one launch, no split-K reduce; measured in
     ``benchmarks/sweep_linear.py``), with an RMSNorm applied on load (each program sums the squares
     of the row it streams anyway), the residual added in its epilogue and a gated ``activation``
     (``kernels.linear``'s names; its reference is the caller's) fused; a LayerNorm runs as its own
@@ -62,10 +63,10 @@ class Linear(nn.Linear):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.few_rows = few_rows_fuse()
+        self.fuse_rows = fused_max_rows()
 
     def uses_kernel(self, x: torch.Tensor) -> bool:
-        return kernel_path(x, self.few_rows) and self.weight.dtype == x.dtype and self.weight.is_contiguous()
+        return kernel_path(x, self.fuse_rows) and self.weight.dtype == x.dtype and self.weight.is_contiguous()
 
     def forward(self, x: torch.Tensor, norm: nn.Module | None = None, residual: torch.Tensor | None = None,
                 activation: str = "none", limit: float | None = None) -> torch.Tensor:
@@ -152,24 +153,23 @@ class PreNormDecoderLayer(nn.Module):
     residual)`` and adds before normalising (one fused launch on CUDA), so the next norm (the next
     layer's, or the final one) adds them. ``residual`` None: ``x`` is the whole stream.
 
-    In a one-row step on the kernel path (batch-1 decode on CUDA; ``fuses``), with the ``layer``
+    In a step on the kernel path (decode of 1-32 rows on CUDA; ``fuses``), with the ``layer``
     fusion on (``FULLGRAPH_FUSE``, on by default), the attention and the MLP take ``(x, norm,
     residual)`` instead: their first projection normalises its input on load and their last adds
     the stream back in its epilogue (``Linear``), so the layer has no norm or add kernels; it then
     returns ``(stream, None)``. More rows take cuBLAS, where a separate norm and add would be
-    extra kernels: they keep the fused add + norm launch (with ``FULLGRAPH_LINEAR=skinny``, steps of
-    2-64 rows fuse too: ``kernel_path``)."""
+    extra kernels: they keep the fused add + norm launch (``kernel_path``)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fuse = "layer" in env.fused()  # read once, at construction
-        self.few_rows = few_rows_fuse()
+        self.fuse_rows = fused_max_rows()
 
     def fuses(self, x: torch.Tensor) -> bool:
         """Whether this step's layer runs the fused flow: switched on, and ``x`` on the kernel path
         (its projections' rule: elsewhere the fused flow would run its norms and adds as kernels of
         their own)."""
-        return self.fuse and kernel_path(x, self.few_rows)
+        return self.fuse and kernel_path(x, self.fuse_rows)
 
     def forward(self, x, residual, positions, rope, kv_cache, metadata) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.fuses(x if residual is None else residual):
