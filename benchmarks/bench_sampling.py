@@ -143,26 +143,6 @@ def print_sweep(gen: torch.Generator) -> list[dict]:
     return rows
 
 
-def print_pairwise_ab(gen: torch.Generator) -> list[dict]:
-    """The select pass's thresholds over short lists (<= PAIR_BLOCK tokens) from one pairwise
-    comparison (the default) against the key search (``pair_block=0``), top-k rows at batch 32 / 64."""
-    rows = []
-    for kind in ("peaked", "flat"):
-        for batch in (32, 64):
-            inputs = [make_logits(kind, batch, gen) for _ in range(COPIES)]
-            for name, setting in (("top_k=50,top_p=0.95", SETTINGS["top_k=50,top_p=0.95"]),
-                                  ("top_k=50", (1.0, 50, 1.0, 0.0))):
-                ps = params(batch, setting)
-                us = {pb: time_calls(lambda x: kernel.launch(x, *ps, pair_block=pb), inputs)
-                      for pb in (kernel.PAIR_BLOCK, 0)}
-                rows.append({"logits": kind, "setting": name, "batch": batch, "pairwise_us": us[kernel.PAIR_BLOCK],
-                             "search_us": us[0]})
-                print(f"pairwise {kind:7s} {name:22s} batch {batch:3d} pairwise {us[kernel.PAIR_BLOCK]:7.1f} us  "
-                      f"search {us[0]:7.1f} us", flush=True)
-            del inputs
-    return rows
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None, help="write the rows as JSON here")
@@ -170,8 +150,6 @@ def main() -> None:
     p.add_argument("--zones", action="store_true", help="also print how many tokens the select pass decides")
     p.add_argument("--passes", action="store_true", help="also time each kernel pass at batch 32")
     p.add_argument("--sweep", action="store_true", help="also sweep the row passes' block and programs per row")
-    p.add_argument("--pairwise-ab", action="store_true", help="also time the select pass's pairwise thresholds "
-                   "against its key search")
     args = p.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     if args.zones:
@@ -179,7 +157,6 @@ def main() -> None:
     if args.passes:
         print_passes(gen)
     sweep = print_sweep(gen) if args.sweep else []
-    pairwise = print_pairwise_ab(gen) if args.pairwise_ab else []
     rows = []
     print(f"{'logits':7s} {'setting':22s} {'batch':>5s} {'sample us':>10s} {'reference us':>13s} {'argmax us':>10s}")
     for kind in ("peaked", "flat"):
@@ -199,7 +176,7 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows,
-                       "sweep": sweep, "pairwise_ab": pairwise}, f, indent=1)
+                       "sweep": sweep}, f, indent=1)
         print(f"wrote {args.out}")
 
 

@@ -14,8 +14,8 @@
 #   decode-ab, decode-ab-big (decode rows of the tree in .base/, e.g. `git archive <commit> fullgraph | tar -x -C .base`,
 #   and ours back to back) fusions (FULLGRAPH_FUSE variants beside .base/) sweep-skinny (linear configs, rows 1-64)
 #   sampling (the sampling kernel's passes and undecided-zone sizes) reduce-ab (FULLGRAPH_FUSE=reduce against the default)
-#   skinny (the split-K linear's GPU tests; decode at 8-64 rows with FULLGRAPH_LINEAR=skinny and without)
-#   skinny-big (the same for Llama-8B; a profiled batch-32 step) skinny-sweep (its configurations against cuBLAS)
+#   skinny (the split-K linear's GPU tests; decode at 2-64 rows by default, with cuBLAS and with the split-K kernel)
+#   skinny-big (default and cuBLAS for Llama-8B and Phi-3-Small; a profiled batch-32 step) skinny-sweep (its configurations against cuBLAS)
 #   host-calls (the cost of one Python, numpy and CUDA call on the machine)
 # Logs and JSON land in $OUT (or ./out); each part has its own time limit so a call stays bounded.
 set -uo pipefail
@@ -107,23 +107,25 @@ sweep-skinny)  # our linear's launch configurations against cuBLAS: one row and 
     run sweep_norm 150 python3 benchmarks/sweep_linear.py --norm --rows 1 32 --block-n 4 8 32 --block-k 512 1024 \
         --warps 8 --stages 3 --out "$OUT/sweep_norm.json"
     ;;
-skinny)  # the split-K linear for 2-64 rows (kernels.skinny_linear): its GPU tests, then decode steps with it
-    # (FULLGRAPH_LINEAR=skinny: the norm and residual fused at every batch) against the default (cuBLAS) back to back
-    # (one row takes the one-row kernel either way)
+skinny)  # the split-K linear for 2-64 rows (kernels.skinny_linear): its GPU tests, then decode steps with the default
+    # (auto: split-K for 2-32 rows, cuBLAS above), with cuBLAS for every step of 2-64 rows (the layer unfused) and with
+    # the split-K kernel for all of them, back to back (one row takes the one-row kernel in each)
     run skinny_tests 150 python3 -m pytest -q -m gpu tests/test_skinny_linear.py tests/test_linear_kernel.py
-    for impl in auto skinny; do
+    for impl in cublas auto skinny; do
         FULLGRAPH_LINEAR=$impl run "skinny_llama1b_$impl" 120 python3 -m fullgraph.bench decode --preset llama-1b \
-            --batch 8 32 64 --context 1024 --modes full --steps 30 --loop overlap --out "$OUT/skinny_llama1b_$impl.json"
+            --batch 2 8 16 32 48 64 --context 1024 --modes full --steps 30 --loop overlap --out "$OUT/skinny_llama1b_$impl.json"
         FULLGRAPH_LINEAR=$impl run "skinny_smollm2_$impl" 90 python3 -m fullgraph.bench decode --preset smollm2-135m \
-            --batch 8 32 64 --context 1024 --modes full --steps 30 --loop overlap --out "$OUT/skinny_smollm2_$impl.json"
+            --batch 2 8 16 32 48 64 --context 1024 --modes full --steps 30 --loop overlap --out "$OUT/skinny_smollm2_$impl.json"
     done
     ;;
-skinny-big)  # the same A/B for Llama-8B, and the kernels of a batch-32 llama-1b step with the split-K linear
-    for impl in auto skinny; do
+skinny-big)  # the same A/B for Llama-8B and Phi-3-Small, and the kernels of a batch-32 llama-1b step by default
+    for impl in cublas auto; do
         FULLGRAPH_LINEAR=$impl run "skinny_llama8b_$impl" 150 python3 -m fullgraph.bench decode --preset llama-8b \
             --batch 8 32 --context 1024 --modes full --steps 30 --loop overlap --out "$OUT/skinny_llama8b_$impl.json"
+        FULLGRAPH_LINEAR=$impl run "skinny_phi3_$impl" 150 python3 -m fullgraph.bench decode --preset phi3-small-8k \
+            --batch 8 16 --context 2048 --modes full --steps 30 --loop overlap --out "$OUT/skinny_phi3_$impl.json"
     done
-    FULLGRAPH_LINEAR=skinny FULLGRAPH_PDL=0 run skinny_profile 70 python3 benchmarks/profile_step.py --preset llama-1b \
+    FULLGRAPH_PDL=0 run skinny_profile 70 python3 benchmarks/profile_step.py --preset llama-1b \
         --batch 32 --context 1024 --out "$OUT/skinny_profile.json"
     ;;
 skinny-sweep)  # the split-K kernel's configurations against cuBLAS at 1-64 rows (one row: and the one-row kernel), plain and normed
@@ -168,8 +170,8 @@ engine)
     run mask 60 python3 benchmarks/bench_mask.py --out "$OUT/mask.json"
     ;;
 sampling)  # the sampling kernel alone: undecided tokens per row, each pass at batch 32, the table (no sort reference)
-    run sampling_passes 180 python3 benchmarks/bench_sampling.py --skip-reference --zones --passes --sweep \
-        --pairwise-ab --out "$OUT/sampling.json"
+    run sampling_passes 150 python3 benchmarks/bench_sampling.py --skip-reference --zones --passes --sweep \
+        --out "$OUT/sampling.json"
     ;;
 sanitize)  # quick: triton and block-sparse kernels, with programmatic dependent launch and without
     run sanitize 200 python3 benchmarks/sanitize.py --quick --tools initcheck memcheck --timeout 90 --out "$OUT/sanitize.json"

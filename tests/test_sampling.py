@@ -385,11 +385,10 @@ def check_thresholds(logits: torch.Tensor, params: dict, zones: torch.Tensor, ro
         assert len(above) == 0 or mass(above.min().item()) < q * (1 + 1e-5), f"row {r}: v_p {v_p} is not the cut"
 
 
-def test_pairwise_thresholds_match_the_search():
-    """Undecided lists of at most PAIR_BLOCK (128) tokens take their top-k and top-p thresholds from
-    one pairwise comparison instead of the key search. Both forms find the exact thresholds and the
-    reference's token on every row (histogram-path top-k rows, whose threshold falls inside the list,
-    listed top-k rows, ties, -inf logits, min-p), and lists of both sizes occur."""
+def test_select_pass_thresholds_match_float64():
+    """The select pass's key search finds the exact top-k and top-p thresholds and the reference's
+    token on every row it serves (histogram-path top-k rows, whose threshold falls inside the list,
+    listed top-k rows, ties, -inf logits, min-p), over short lists and long ones."""
     g = torch.Generator().manual_seed(29)
     rows, vocab = 48, 3000
     logits = torch.randn(rows, vocab, generator=g) * (torch.rand(rows, 1, generator=g) * 3 + 0.5)
@@ -402,14 +401,13 @@ def test_pairwise_thresholds_match_the_search():
                          min_p=torch.where(torch.arange(rows) % 5 == 2, 0.05, 0.0),
                          seed=torch.randint(-2**62, 2**62, (rows,), generator=g), device=torch.device("cpu"))
     want = sample_reference(logits, **params).tolist()
-    for pair_block in (kernel.PAIR_BLOCK, 0):
-        ws: dict = {}
-        assert run_kernel(logits, params, workspace=ws, block=256, num_chunks=4, pair_block=pair_block).tolist() == want
-        n_list = ws["part_i"][..., 2].sum(-1).cpu()
-        selected = (ws["zones"][:, 8].cpu() != 1) & (n_list > 0)                  # not decided by the chain
-        check_thresholds(logits, params, ws["zones"], torch.nonzero(selected).flatten())
-    assert (selected & (n_list <= 128)).sum() >= 8, "lists the pairwise form serves"
-    assert (selected & (n_list > 128)).sum() >= 3, "longer lists keep the search"
+    ws: dict = {}
+    assert run_kernel(logits, params, workspace=ws, block=256, num_chunks=4).tolist() == want
+    n_list = ws["part_i"][..., 2].sum(-1).cpu()
+    selected = (ws["zones"][:, 8].cpu() != 1) & (n_list > 0)                      # not decided by the chain
+    check_thresholds(logits, params, ws["zones"], torch.nonzero(selected).flatten())
+    assert (selected & (n_list <= 128)).sum() >= 8, "short lists (a top-k of 50)"
+    assert (selected & (n_list > 128)).sum() >= 3, "longer lists"
 
 
 def test_chain_decides_rows_with_chunks_of_few_finite_logits():

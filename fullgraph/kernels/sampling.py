@@ -35,12 +35,11 @@ larger top-k) and rows of either kind that fall back take the histogram path.
    the undecided (or top-k-listed) tokens by a search on the
    order-preserving int32 key of s (counts, then masses, on top of the surely-kept zone's), the
    winner among the kept ones against the surely-kept winner; greedy rows take pass 1's argmax.
-   Up to CAND_BLOCK undecided tokens are searched in registers; up to PAIR_BLOCK (a top-k of 50)
-   need no search: each token's count and mass at or above its own score, from one pairwise
-   comparison, pick both thresholds among the listed scores. More than CAND_BLOCK are first
-   narrowed with exact per-position counts and masses over the list (the threshold's position,
-   < REFINE_BUCKETS past b_hi, is then searched in registers). Failing that (a bucket of
-   > CAND_BLOCK tokens, e.g. a huge tie) an exact slow path re-reads the row at every search step.
+   Up to CAND_BLOCK undecided tokens are searched in registers. More are first narrowed with exact
+   per-position counts and masses over the list (the threshold's position, < REFINE_BUCKETS past
+   b_hi, is then searched in registers). Failing that (a bucket of > CAND_BLOCK tokens, e.g. a huge
+   tie) an exact slow path re-reads the row at every search step. The select pass writes the
+   thresholds it found into the row's zones (columns 10-11, float bits) for tests and inspection.
 The max and histogram passes keep per-lane accumulators (running max and first argmax, masses)
 across their loop steps and reduce them once at the end, and the compacting pass takes a step's
 Gumbel winner and its index in one reduction: a program's loop is a chain of dependent steps, and
@@ -73,9 +72,8 @@ from . import compile_ahead, pdl
 from .sampling_chain import CHAIN, LIST_TOP, STATE, _check_chain, _is_chain, _scan_chain
 from .sampling_topk import LISTED, TOP_VALUES, _is_topk, _list_topk, _scan_values
 from .sampling_common import (BLOCK, BUCKETS_PER_NAT, CAND_BLOCK, CAND_SMALL, INT_MAX, LIST_BLOCK, NEG_INF,
-                              NUM_BUCKETS, PAIR_BLOCK, REFINE_ABOVE, REFINE_BUCKETS, ZONES_W, _bucket, _max_and_first,
-                              _min_p_bucket, _noise_block, _position, _raw, _row_max, _row_sum, _scaled, _track_max,
-                              _zones)
+                              NUM_BUCKETS, REFINE_ABOVE, REFINE_BUCKETS, ZONES_W, _bucket, _max_and_first, _min_p_bucket,
+                              _noise_block, _position, _raw, _row_max, _row_sum, _scaled, _track_max, _zones)
 
 from .sampling_select import _select_kernel
 from .._compat import custom_op
@@ -309,12 +307,11 @@ def _launch_shape(rows: int, device: torch.device) -> tuple[int, int]:
 def launch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
            min_p: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor, *, block: int | None = None,
            num_chunks: int | None = None, cand_block: int = CAND_BLOCK, refine_above: int = REFINE_ABOVE,
-           list_top: int = LIST_TOP, chain: int = CHAIN, pair_block: int = PAIR_BLOCK,
-           workspace: dict | None = None) -> torch.Tensor:
-    """Launch the passes; ``block``, ``num_chunks``, ``cand_block``, ``refine_above``, ``list_top``,
-    ``chain`` (1, 2 or 4) and ``pair_block`` (0: no pairwise thresholds) are tuning knobs (tests
-    shrink them to reach every path on small vocabularies; None: ``_launch_shape``); a ``workspace``
-    dict receives the intermediate tensors (``zones``: see ``_level_zones`` and ``sampling_chain``).
+           list_top: int = LIST_TOP, chain: int = CHAIN, workspace: dict | None = None) -> torch.Tensor:
+    """Launch the passes; ``block``, ``num_chunks``, ``cand_block``, ``refine_above``, ``list_top``
+    and ``chain`` (1, 2 or 4) are tuning knobs (tests shrink them to reach every path on small
+    vocabularies; None: ``_launch_shape``); a ``workspace`` dict receives the intermediate tensors
+    (``zones``: see ``_level_zones`` and ``sampling_chain``).
     Capture-safe: the launch shape depends on the row count only."""
     rows, vocab = logits.shape
     out = compile_ahead.output(rows, torch.int64, logits.device)
@@ -359,11 +356,9 @@ def launch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                                 **meta)
     _compact_kernel[(rows, c)](logits, *params, part_f, part_i, zones, cand, vocab, chunk, c, chunk,
                                logits.stride(0), num_warps=warps, **meta)
-    cb_small = max(16, min(CAND_SMALL, cand_block // 4))
-    cb_pair = max(8, min(PAIR_BLOCK, cb_small // 4))    # pairwise <= cb_pair < lighter <= cb_small < cand_block
     _select_kernel[(rows,)](logits, *params, part_f, part_i, zones, cand, scratch, out, vocab, c, chunk,
-                            min(pair_block, cb_pair), logits.stride(0), CB=cand_block, CB_SMALL=cb_small,
-                            CB_PAIR=cb_pair, RB=REFINE_BUCKETS, LB=LIST_BLOCK, C_BITS=c_pad.bit_length() - 1,
+                            logits.stride(0), CB=cand_block, CB_SMALL=max(16, min(CAND_SMALL, cand_block // 4)),
+                            RB=REFINE_BUCKETS, LB=LIST_BLOCK, C_BITS=c_pad.bit_length() - 1,
                             num_warps=16 if cand_block >= 4096 else 4, **meta)
     return out
 

@@ -217,39 +217,15 @@ def _direct_thresholds(x_row, ends_ptr, cand_ptr, row, num_chunks, seg_cap, voca
     return v_k, v_p
 
 
-@triton.jit
-def _pairwise_thresholds(x_row, ends_ptr, cand_ptr, row, num_chunks, seg_cap, vocab, inv_t, s_max, z, n_hi,
-                         mass_hi, top_k, top_p, CP: tl.constexpr, C_PAD: tl.constexpr, C_BITS: tl.constexpr):
-    """(v_k, v_p) as :func:`_direct_thresholds` finds them, for a list of at most CP tokens. Each
-    threshold is a listed score (the count and the mass at or above a value change only there), so
-    one (CP, CP) comparison gives every token's count and mass at or above its own score, and two
-    reductions pick the thresholds, where the search takes about ten dependent rounds each."""
-    cid, ok = _list_ids(ends_ptr, cand_ptr, row, num_chunks, seg_cap, 0, CP, C_PAD, C_BITS)
-    s = _scaled(x_row, tl.where(ok, cid, vocab), vocab, inv_t)
-    sv = tl.where(ok, s, NEG_INF)
-    e = tl.where(ok, tl.exp(s - s_max), 0.0)
-    above = ok[None, :] & (sv[None, :] >= sv[:, None])              # [i, j]: token j at or above token i
-    v_k = tl.full([], NEG_INF, tl.float32)
-    if (top_k > 0) & (top_k < vocab):
-        count = tl.sum(above.to(tl.int32), 1)
-        v_k = tl.max(tl.where(ok & (n_hi + count >= top_k), sv, NEG_INF), 0)
-        z = mass_hi + tl.sum(tl.where(sv >= v_k, e, 0.0), 0)
-    v_p = tl.full([], NEG_INF, tl.float32)
-    if top_p < 1.0:
-        mass = tl.sum(tl.where(above, e[None, :], 0.0), 1)
-        v_p = tl.max(tl.where(ok & (sv >= v_k) & (mass_hi + mass >= top_p * z), sv, NEG_INF), 0)
-    return v_k, v_p
-
-
 @compile_ahead.kernel
 @triton.jit
 def _select_kernel(
         logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, offset_ptr,   # pointers
         part_f_ptr, part_i_ptr, zones_ptr, cand_ptr, scratch_ptr, out_ptr,
-        vocab, num_chunks, seg_cap, pair_max,                                          # sizes
+        vocab, num_chunks, seg_cap,                                                    # sizes
         stride_l,                                                                      # strides
-        NB: tl.constexpr, BPN: tl.constexpr, BLOCK: tl.constexpr, C_PAD: tl.constexpr, CB: tl.constexpr,
-        CB_SMALL: tl.constexpr, CB_PAIR: tl.constexpr, RB: tl.constexpr, LB: tl.constexpr, C_BITS: tl.constexpr,
+        NB: tl.constexpr, BPN: tl.constexpr, BLOCK: tl.constexpr, C_PAD: tl.constexpr,
+        CB: tl.constexpr, CB_SMALL: tl.constexpr, RB: tl.constexpr, LB: tl.constexpr, C_BITS: tl.constexpr,
         USE_PDL: tl.constexpr):
     pdl.wait(USE_PDL)
     pdl.start_dependents(USE_PDL)
@@ -258,16 +234,16 @@ def _select_kernel(
     token = tl.load(zrow + TOKEN)                                  # the chain's, if it decided the row
     if tl.load(zrow + STATE) != 1:
         token = _unchained(logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, offset_ptr, part_f_ptr,
-                           part_i_ptr, cand_ptr, scratch_ptr, zrow, row, vocab, num_chunks, seg_cap, pair_max,
-                           stride_l, NB, BPN, BLOCK, C_PAD, CB, CB_SMALL, CB_PAIR, RB, LB, C_BITS)
+                           part_i_ptr, cand_ptr, scratch_ptr, zrow, row, vocab, num_chunks, seg_cap, stride_l,
+                           NB, BPN, BLOCK, C_PAD, CB, CB_SMALL, RB, LB, C_BITS)
     tl.store(out_ptr + row, token.to(tl.int64))
 
 
 @triton.jit
 def _unchained(logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, offset_ptr, part_f_ptr, part_i_ptr,
-               cand_ptr, scratch_ptr, zrow, row, vocab, num_chunks, seg_cap, pair_max, stride_l, NB: tl.constexpr,
+               cand_ptr, scratch_ptr, zrow, row, vocab, num_chunks, seg_cap, stride_l, NB: tl.constexpr,
                BPN: tl.constexpr, BLOCK: tl.constexpr, C_PAD: tl.constexpr, CB: tl.constexpr, CB_SMALL: tl.constexpr,
-               CB_PAIR: tl.constexpr, RB: tl.constexpr, LB: tl.constexpr, C_BITS: tl.constexpr):
+               RB: tl.constexpr, LB: tl.constexpr, C_BITS: tl.constexpr):
     """The token of a row the chain did not decide: greedy, or the winner over its exact thresholds."""
     cs = tl.arange(0, C_PAD)
     x_max = _row_max(part_f_ptr, row, num_chunks, C_PAD)
@@ -293,10 +269,7 @@ def _unchained(logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, 
             scratch_row = scratch_ptr + row * (CB + C_PAD)
             ends = scratch_row + CB                                # the list's segment ends, after the ids
             _segment_ends(part_i_ptr, ends, row, num_chunks, C_PAD)
-            if n_list <= pair_max:          # (pair_max <= CB_PAIR; 0 turns the pairwise form off)
-                v_k, v_p = _pairwise_thresholds(x_row, ends, cand_ptr, row, num_chunks, seg_cap, vocab, inv_t,
-                                                s_max, z, n_hi, mass_hi, top_k, top_p, CB_PAIR, C_PAD, C_BITS)
-            elif n_list <= CB_SMALL:
+            if n_list <= CB_SMALL:
                 v_k, v_p = _direct_thresholds(x_row, ends, cand_ptr, row, num_chunks, seg_cap, vocab, inv_t,
                                               s_max, z, n_hi, mass_hi, top_k, top_p, CB_SMALL, 8, C_PAD, C_BITS)
             elif n_list <= CB:
