@@ -14,6 +14,7 @@
 #   decode-ab, decode-ab-big (decode rows of the tree in .base/, e.g. `git archive <commit> fullgraph | tar -x -C .base`,
 #   and ours back to back) fusions (FULLGRAPH_FUSE variants beside .base/) sweep-skinny (linear configs, rows 1-64)
 #   sampling (the sampling kernel's passes and undecided-zone sizes) reduce-ab (FULLGRAPH_FUSE=reduce against the default)
+#   split-ab (fewer KV splits in decode attention: 4, 2, 1 programs an SM at batches 1-64)
 #   skinny (the split-K linear's GPU tests; decode at 2-64 rows by default, with cuBLAS and with the split-K kernel)
 #   skinny-big (default and cuBLAS for Llama-8B and Phi-3-Small; a profiled batch-32 step) skinny-sweep (its configurations against cuBLAS)
 #   host-calls (the cost of one Python, numpy and CUDA call on the machine)
@@ -88,6 +89,22 @@ split_kv_reduce.SPLIT_PROGRAMS_PER_SM = $per_sm
 from fullgraph.bench.__main__ import main
 sys.argv = ['bench', 'decode', '--preset', '$preset', '--batch', '1', '32', '--context', '1024', '--modes', 'full',
             '--steps', '30', '--loop', 'overlap', '--out', '$OUT/fuse_${preset}_reduce_sm$per_sm.json']
+main()"
+        done
+    done
+    ;;
+split-ab)  # fewer KV splits in decode attention (split_kv_reduce.SPLIT_PROGRAMS_PER_SM, default 4), the reduce a
+    # launch of its own as by default; one program an SM leaves llama-1b one split (no reduce launch: five kernels a
+    # layer) from 17 requests, SmolLM2 from 44
+    for per_sm in 4 2 1; do
+        for preset in smollm2-135m llama-1b; do
+            run "split_${preset}_sm$per_sm" 60 python3 -c "
+import sys
+from fullgraph.kernels import split_kv_reduce
+split_kv_reduce.SPLIT_PROGRAMS_PER_SM = $per_sm
+from fullgraph.bench.__main__ import main
+sys.argv = ['bench', 'decode', '--preset', '$preset', '--batch', '1', '8', '16', '32', '64', '--context', '1024',
+            '--modes', 'full', '--steps', '30', '--loop', 'overlap', '--out', '$OUT/split_${preset}_sm$per_sm.json']
 main()"
         done
     done

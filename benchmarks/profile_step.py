@@ -25,8 +25,9 @@ import torch
 # kernel name (a regular expression, first match wins) -> kind; the LM head is told apart by
 # order: the step's last matrix kernel
 KINDS = (
-    # a linear with the norm on load, or with RoPE and the KV write in its epilogue: a linear (it reads the weights)
-    ("linear", r"_norm_linear_kernel|_linear_rope_kv_kernel"),
+    # a linear with the norm on load, or with RoPE and the KV write in its epilogue (the one-row kernel's or the
+    # split-K one's): a linear (it reads the weights)
+    ("linear", r"_norm_linear_kernel|_linear_rope_kv_kernel|_skinny_rope_kv_kernel|_skinny_kernel"),
     ("attention", r"paged_attention|blocksparse_decode|blocksparse_prefill|flash|fmha|sdpa|attention"),
     ("split-KV reduce", r"split_kv_reduce|blocksparse_reduce"),
     ("rope + KV write", r"rope|kv_write"),

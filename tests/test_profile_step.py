@@ -19,6 +19,9 @@ def test_kernel_names_map_to_kinds():
     assert kind("_rms_norm_kernel") == "norm"
     assert kind("_rms_norm_linear_kernel") == "linear"
     assert kind("_linear_kernel") == "linear"
+    assert kind("_linear_rope_kv_kernel") == "linear"       # the one-row QKV with RoPE + the KV write
+    assert kind("_skinny_kernel") == "linear"               # the split-K linear of 2-32 rows
+    assert kind("_skinny_rope_kv_kernel") == "linear"       # ... and its QKV form
     assert kind("nvjet_tst_64x8_64x16_4x1_v_bz_TNT") == "linear"
     assert kind("_gated_kernel") == "activation"
     assert kind("_select_kernel") == "sampling + output"
