@@ -147,8 +147,10 @@ skinny-big)  # the same A/B for Llama-8B and Phi-3-Small, and the kernels of a b
     ;;
 skinny-sweep)  # the split-K kernel's configurations against cuBLAS at 1-64 rows (one row: and the one-row kernel), plain and normed
     run skinny_sweep 300 python3 benchmarks/sweep_linear.py --skinny --rows 32 --stages 3 4 --out "$OUT/skinny_sweep.json"
-    run skinny_sweep_rows 200 python3 benchmarks/sweep_linear.py --skinny --rows 1 8 64 --stages 4 \
-        --shapes llama1b.qkv llama1b.o llama1b.gate_up llama1b.down --out "$OUT/skinny_sweep_rows.json"
+    # 48-64 rows, where cuBLAS still wins in the model (2026-12-06): is there a split-K config that does not?
+    run skinny_sweep_rows 240 python3 benchmarks/sweep_linear.py --skinny --rows 48 64 --stages 4 \
+        --shapes llama1b.qkv llama1b.o llama1b.gate_up llama1b.down smollm2.qkv smollm2.o smollm2.gate_up smollm2.down \
+        --out "$OUT/skinny_sweep_rows.json"
     run skinny_sweep_norm 200 python3 benchmarks/sweep_linear.py --skinny --norm --rows 32 --stages 4 \
         --shapes llama1b.qkv llama1b.o llama1b.gate_up llama1b.down smollm2.qkv smollm2.gate_up \
         --out "$OUT/skinny_sweep_norm.json"
