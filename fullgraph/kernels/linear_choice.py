@@ -49,11 +49,11 @@ def choose(x: torch.Tensor) -> str:
     if rows == 1:   # the one-row kernel beats the split-K one at every layer shape measured
         return "triton"
     impl = env.linear_impl()
-    if impl != "auto":
-        return impl
-    if not x.is_cuda:
+    if impl == "auto" and not x.is_cuda:   # the Triton interpreter: the kernel under test
         return "triton"
-    return "skinny" if rows <= SKINNY_ROWS else "cublas"
+    if impl in ("auto", "skinny"):          # the one limit the layers fuse by, too
+        return "skinny" if rows <= max_skinny_rows() else "cublas"
+    return impl
 
 
 def unfused(x, w, b, activation, limit, norm_weight, eps, residual) -> torch.Tensor:

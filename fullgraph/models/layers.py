@@ -52,8 +52,9 @@ class Linear(nn.Linear):
     decoder layer.
 
     Its steps of one to 32 rows on CUDA in half precision (decode; ``kernel_path``) run
-    ``kernels.linear``: a weight-streaming kernel (one row) or the split-K one (2-32 rows) that beats cuBLAS there (one launch, no split-K reduce; measured in
-    ``benchmarks/sweep_linear.py``), with an RMSNorm applied on load (each program sums the squares
+    ``kernels.linear``: the one-row weight-streaming kernel or, for 2-32 rows, the split-K one, each
+    faster than cuBLAS there in one launch (measured in ``benchmarks/sweep_linear.py`` and the
+    decode step), with an RMSNorm applied on load (each program sums the squares
     of the row it streams anyway), the residual added in its epilogue and a gated ``activation``
     (``kernels.linear``'s names; its reference is the caller's) fused; a LayerNorm runs as its own
     kernel first. Every other call is the plain PyTorch ops (cuBLAS for more rows, where it is faster
