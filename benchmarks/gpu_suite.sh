@@ -14,7 +14,7 @@
 #   decode-ab, decode-ab-big (decode rows of the tree in .base/, e.g. `git archive <commit> fullgraph | tar -x -C .base`,
 #   and ours back to back) fusions (FULLGRAPH_FUSE variants beside .base/) sweep-skinny (linear configs, rows 1-64)
 #   sampling (the sampling kernel's passes and undecided-zone sizes) reduce-ab (FULLGRAPH_FUSE=reduce against the default)
-#   split-ab (fewer KV splits in decode attention: 4, 2, 1 programs an SM at batches 1-64)
+#   split-ab (decode attention unsplit once the SMs are full, against splitting at every batch; contexts 1K and 4K)
 #   skinny (the split-K linear's GPU tests; decode at 2-64 rows by default, with cuBLAS and with the split-K kernel)
 #   skinny-big (default and cuBLAS for Llama-8B and Phi-3-Small; a profiled batch-32 step) skinny-sweep (its configurations against cuBLAS)
 #   host-calls (the cost of one Python, numpy and CUDA call on the machine)
@@ -93,19 +93,21 @@ main()"
         done
     done
     ;;
-split-ab)  # fewer KV splits in decode attention (split_kv_reduce.SPLIT_PROGRAMS_PER_SM, default 4), the reduce a
-    # launch of its own as by default; one program an SM leaves llama-1b one split (no reduce launch: five kernels a
-    # layer) from 17 requests, SmolLM2 from 44
-    for per_sm in 4 2 1; do
-        for preset in smollm2-135m llama-1b; do
-            run "split_${preset}_sm$per_sm" 60 python3 -c "
+split-ab)  # decode attention unsplit once one program per (request, KV head) fills every SM (the default,
+    # split_kv_reduce.UNSPLIT_PROGRAMS_PER_SM = 1: no reduce launch, five kernels a layer) against splitting to four
+    # programs an SM at every batch (the rule before), contexts 1024 and 4096, back to back
+    for ctx in 1024 4096; do
+        for unsplit in 1 1000000; do
+            for preset in smollm2-135m llama-1b; do
+                run "split_${preset}_${ctx}_u$unsplit" 90 python3 -c "
 import sys
 from fullgraph.kernels import split_kv_reduce
-split_kv_reduce.SPLIT_PROGRAMS_PER_SM = $per_sm
+split_kv_reduce.UNSPLIT_PROGRAMS_PER_SM = $unsplit
 from fullgraph.bench.__main__ import main
-sys.argv = ['bench', 'decode', '--preset', '$preset', '--batch', '1', '8', '16', '32', '64', '--context', '1024',
-            '--modes', 'full', '--steps', '30', '--loop', 'overlap', '--out', '$OUT/split_${preset}_sm$per_sm.json']
+sys.argv = ['bench', 'decode', '--preset', '$preset', '--batch', '16', '32', '64', '--context', '$ctx',
+            '--modes', 'full', '--steps', '30', '--loop', 'overlap', '--out', '$OUT/split_${preset}_${ctx}_u$unsplit.json']
 main()"
+            done
         done
     done
     ;;

@@ -232,6 +232,8 @@ def test_split_count_is_static_and_fits_workspace():
     counts = [num_kv_splits(r, kv_heads, max_len, sms) for r in range(1, 33)]
     assert counts[0] > 1 and counts[-1] == 1, "split at batch 1, not once the SMs are full"
     assert counts == sorted(counts, reverse=True) and max(counts) <= MAX_SPLITS
+    assert [c == 1 for c in counts] == [r * kv_heads >= sms for r in range(1, 33)], \
+        "unsplit exactly once one program per (request, KV head) fills every SM"
     assert num_kv_splits(1, kv_heads, 64, sms) == 1, "never split below MIN_SPLIT_TOKENS at max_model_len"
     rows = split_workspace_rows(32, kv_heads, max_len, sms)
     assert all(r * c <= rows for r, c in zip(range(1, 33), counts))
@@ -354,7 +356,7 @@ def metadata_of(b: Batch, backend) -> AttentionMetadata:
 
 
 @pytest.mark.parametrize("merge", [False, True], ids=["reduce-launch", "merged"])
-@pytest.mark.parametrize("num_reqs", [1, 4, 16], ids=["split", "split-small", "no-split"])
+@pytest.mark.parametrize("num_reqs", [1, 3, 4, 16], ids=["split", "split-small", "no-split-full", "no-split"])
 def test_backend_forward_writes_then_attends(num_reqs, merge):
     """kv_write then attention from the cache, across the split-KV threshold (8 stand-in SMs),
     the splits merged by a second launch or in the attention launch (FULLGRAPH_FUSE=reduce)."""
@@ -367,7 +369,7 @@ def test_backend_forward_writes_then_attends(num_reqs, merge):
     b = make_batch([(30 * i + 7, 1) for i in range(real)], heads=(4, 2), pad_tokens=num_reqs - real,
                    pad_reqs=num_reqs - real, decode=True, seed=14)
     if DEVICE.type == "cpu":
-        assert (backend.num_splits(num_reqs, 2) > 1) == (num_reqs < 16)
+        assert (backend.num_splits(num_reqs, 2) > 1) == (num_reqs * 2 < backend.num_sms)
     full_cache = b.kv_cache.clone()
     b.kv_cache.view(2, -1, 2, 64)[:, b.slot_mapping[: b.num_tokens]] = NAN
     with poisoned_allocations():

@@ -24,15 +24,21 @@ from . import compile_ahead, pdl
 
 MAX_SPLITS = 64
 MIN_SPLIT_TOKENS = 64  # never split a sequence into pieces shorter than this (at max_model_len)
-SPLIT_PROGRAMS_PER_SM = 4  # split decode until about this many programs per SM are in flight
+SPLIT_PROGRAMS_PER_SM = 4  # split decode until about this many programs per SM are in flight ...
+UNSPLIT_PROGRAMS_PER_SM = 1  # ... unless one program per (request, KV head) already puts this many on every SM
 
 
 def num_kv_splits(num_reqs: int, num_kv_heads: int, max_model_len: int, num_sms: int) -> int:
-    """Splits per sequence of a decode step, enough for ``SPLIT_PROGRAMS_PER_SM`` programs per SM.
+    """Splits per sequence of a decode step, enough for ``SPLIT_PROGRAMS_PER_SM`` programs per SM;
+    none once the step's (request, KV head) programs fill every SM (``UNSPLIT_PROGRAMS_PER_SM``),
+    which spares the reduce launch. On an H100 (2026-12-06, llama-1b / SmolLM2, context 1024,
+    batches 1-64) one, two or four split programs an SM gave the same step times within 0.4%.
 
     Static inputs only (R is the padded request count, never a ``seq_lens`` value), so a graph
     replays the split count it was captured with, whatever the lengths of the replayed step."""
     programs = num_reqs * num_kv_heads
+    if programs >= UNSPLIT_PROGRAMS_PER_SM * num_sms:
+        return 1
     by_len = max(1, max_model_len // MIN_SPLIT_TOKENS)
     return max(1, min(-(-(SPLIT_PROGRAMS_PER_SM * num_sms) // programs), by_len, MAX_SPLITS))
 
