@@ -17,6 +17,7 @@
 #   split-ab (decode attention unsplit once the SMs are full, against splitting at every batch; contexts 1K and 4K)
 #   skinny (the split-K linear's GPU tests; decode at 2-64 rows by default, with cuBLAS and with the split-K kernel)
 #   skinny-big (default and cuBLAS for Llama-8B and Phi-3-Small; a profiled batch-32 step) skinny-sweep (its configurations against cuBLAS)
+#   prefetch-ab (one-row linears loading 1 or 2 weight tiles before the PDL wait)
 #   host-calls (the cost of one Python, numpy and CUDA call on the machine)
 # Logs and JSON land in $OUT (or ./out); each part has its own time limit so a call stays bounded.
 set -uo pipefail
@@ -108,6 +109,25 @@ sys.argv = ['bench', 'decode', '--preset', '$preset', '--batch', '16', '32', '64
             '--modes', 'full', '--steps', '30', '--loop', 'overlap', '--out', '$OUT/split_${preset}_${ctx}_u$unsplit.json']
 main()"
             done
+        done
+    done
+    ;;
+prefetch-ab)  # one-row steps with the one-row linears loading 1 (the default) or 2 weight tiles before their PDL
+    # wait (overlapping the kernel ahead), back to back
+    for pf in 1 2; do
+        for preset in smollm2-135m llama-1b; do
+            run "prefetch_${preset}_p$pf" 60 python3 -c "
+import sys
+from fullgraph.kernels import linear, linear_rope_kv
+base = linear.launch_config
+def config(n, m=1):
+    c = base(n, m)
+    return c if m > 1 else (c[0], c[1], c[2], $pf, c[4])
+linear.launch_config = linear_rope_kv.launch_config = config
+from fullgraph.bench.__main__ import main
+sys.argv = ['bench', 'decode', '--preset', '$preset', '--batch', '1', '--context', '1024',
+            '--modes', 'full', '--steps', '40', '--loop', 'overlap', '--out', '$OUT/prefetch_${preset}_p$pf.json']
+main()"
         done
     done
     ;;
