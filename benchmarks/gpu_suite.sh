@@ -17,7 +17,7 @@
 #   split-ab (decode attention unsplit once the SMs are full, against splitting at every batch; contexts 1K and 4K)
 #   skinny (the split-K linear's GPU tests; decode at 2-64 rows by default, with cuBLAS and with the split-K kernel)
 #   skinny-big (default and cuBLAS for Llama-8B and Phi-3-Small; a profiled batch-32 step) skinny-sweep (its configurations against cuBLAS)
-#   prefetch-ab (one-row linears loading 1 or 2 weight tiles before the PDL wait)
+#   sweep-attention (decode attention's splits and launch configs) prefetch-ab (one-row linears loading 1 or 2 weight tiles before the PDL wait)
 #   host-calls (the cost of one Python, numpy and CUDA call on the machine)
 # Logs and JSON land in $OUT (or ./out); each part has its own time limit so a call stays bounded.
 set -uo pipefail
@@ -329,6 +329,9 @@ targets)  # the decode-step rows the issues set targets for (full graphs, no com
         --modes full --steps 30 --loop sync overlap --out "$OUT/decode_phi3.json"
     run decode_phi3_dense 90 python3 -m fullgraph.bench decode --preset phi3-small-8k-dense --batch 1 --context 2048 \
         --modes full --steps 30 --out "$OUT/decode_phi3_dense.json"
+    ;;
+sweep-attention)  # decode attention's split counts and launch configs at batch 1-64 (llama-1b, SmolLM2, Phi-3-Small)
+    run sweep_attention 200 python3 benchmarks/sweep_decode_attention.py --out "$OUT/sweep_attention.json"
     ;;
 kernels)
     run bench_attention 150 python3 benchmarks/bench_attention.py --out "$OUT/bench_attention.json"

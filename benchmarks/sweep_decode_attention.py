@@ -64,7 +64,11 @@ def dense_rows(name, batch, context, h, kvh, d, page, max_model_len):
     variants = [(s, base) for s in sorted({1, max(1, default // 4), max(1, default // 2), default})]
     variants += [(default, c) for c in (KernelConfig(16, 64, 2, 2), KernelConfig(16, 64, 2, 1), KernelConfig(16, 32, 4, 2),
                                         KernelConfig(16, 32, 2, 2), KernelConfig(16, 128, 4, 2),
-                                        KernelConfig(16, 64, 4, 1), KernelConfig(16, 64, 8, 2))]
+                                        KernelConfig(16, 64, 4, 1), KernelConfig(16, 64, 8, 2),
+                                        # long programs (unsplit from a full GPU on): deeper pipelines, wider tiles
+                                        KernelConfig(16, 64, 2, 3), KernelConfig(16, 64, 2, 4), KernelConfig(16, 64, 4, 3),
+                                        KernelConfig(16, 128, 2, 2), KernelConfig(16, 128, 4, 3),
+                                        KernelConfig(16, 128, 8, 3))]
     for splits, cfg in variants:
         part_out = torch.empty(batch * splits * h * d, device=DEV)
         part_lse = torch.empty(batch * splits * h, device=DEV)
@@ -115,8 +119,10 @@ def main() -> None:
     p.add_argument("--long", action="store_true", help="only the block-sparse decode at 32K / 128K")
     args = p.parse_args()
     rows = []
-    for batch in () if args.long else (1, 32):
+    for batch in () if args.long else (1, 32, 64):
         rows += dense_rows("llama-1b", batch, 1024, 32, 8, 64, 16, 1280)
+    for batch in () if args.long else (32, 64):
+        rows += dense_rows("smollm2-135m", batch, 1024, 9, 3, 64, 16, 1280)
     for batch in () if args.long else (1, 16):
         rows += dense_rows("phi3-dense", batch, 2048, 32, 8, 128, 64, 2304)
         rows += blocksparse_rows(batch, 2048, 2304)
