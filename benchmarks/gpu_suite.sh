@@ -117,8 +117,8 @@ prefetch-ab)  # one-row steps with the one-row linears loading 1 (the default) o
     for pf in 1 2; do
         for preset in smollm2-135m llama-1b; do
             run "prefetch_${preset}_p$pf" 60 python3 -c "
-import sys
-from fullgraph.kernels import linear, linear_rope_kv
+import importlib, sys
+linear, linear_rope_kv = (importlib.import_module(f'fullgraph.kernels.{m}') for m in ('linear', 'linear_rope_kv'))
 base = linear.launch_config
 def config(n, m=1):
     c = base(n, m)

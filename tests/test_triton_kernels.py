@@ -20,6 +20,8 @@ from fullgraph.attention.backends import BackendLimits, get_backend_class
 from fullgraph.attention import AttentionMetadata
 from fullgraph.kernels import KernelConfig, kv_write, num_kv_splits, paged_attention, split_workspace_rows
 from fullgraph.kernels.split_kv_reduce import MAX_SPLITS, merge_chunk
+from fullgraph.kernels.paged_attention import LONG_PROGRAM_KEYS, default_config
+from fullgraph.attention.backends import triton as triton_backend
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 NAN = float("nan")
@@ -408,8 +410,11 @@ def test_backend_reports_unsupported():
         make_backend(page=8)
 
 
-def test_runner_end_to_end_matches_sdpa():
-    """toy-llama through the runner: triton on padded static buffers == sdpa eager, step by step."""
+def test_runner_end_to_end_matches_sdpa(monkeypatch):
+    """toy-llama through the runner: triton on padded static buffers == sdpa eager, step by step
+    (on the CPU with 16 stand-in SMs, so its 4-row decode step still splits the KV)."""
+    monkeypatch.setattr(triton_backend, "INTERPRET_NUM_SMS", 16)
+
     def runner(attention, cudagraph):
         model = fullgraph.models.Llama(fullgraph.models.LlamaConfig.toy(), device=DEVICE)
         r = fullgraph.FullGraphRunner(model, attention=attention, cudagraph=cudagraph, max_num_seqs=4,
@@ -454,6 +459,19 @@ def assert_flash_rule(out: torch.Tensor, b: Batch, floor: float = 1e-4) -> None:
 def test_gpu_bf16_mixed(head_dim, page):
     b = make_batch([(0, 300), (700, 129), (1000, 1), (33, 1), (64, 64)], heads=(8, 2), head_dim=head_dim,
                    page=page, pad_tokens=11, pad_reqs=3, dtype=torch.bfloat16, seed=20)
+    assert_flash_rule(run(b), b)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("heads", [(32, 8), (9, 3)])
+def test_gpu_bf16_decode_unsplit_long_programs(heads):
+    """One split over whole sequences (a full GPU) at head_dim 64: the long-program launch config
+    (128-key tiles, three stages) over pages that end mid-tile and padded rows."""
+    b = make_batch([(c, 1) for c in (5000, 1, 127, 2049, 4000, 63)], heads=heads, head_dim=64, pad_tokens=2,
+                   pad_reqs=2, decode=True, dtype=torch.bfloat16, seed=23)
+    span = b.block_table.shape[1] * b.kv_cache.shape[2]
+    assert span >= LONG_PROGRAM_KEYS and default_config(64, torch.bfloat16, True, span).block_n == 128
     assert_flash_rule(run(b), b)
 
 

@@ -239,6 +239,9 @@ def _paged_attention_kernel(
                               triton.next_power_of_2(NUM_SPLITS), CHUNK)
 
 
+LONG_PROGRAM_KEYS = 1024  # a decode program walking this many keys or more streams with deeper pipelines
+
+
 @dataclass(frozen=True)
 class KernelConfig:
     """Launch configuration: fixed per (head_dim, dtype, step kind), never autotuned (capture)."""
@@ -257,7 +260,10 @@ def default_config(head_dim: int, dtype: torch.dtype, decode: bool, keys_per_spl
     (``benchmarks/sweep_decode_attention.py``): a program of one or two tiles is latency-bound and
     wants no pipelining (llama-1b b1: 6.1 -> 5.1 us, Phi-3 b1: 11.4 -> 8.4 us); longer ones want
     two warps and two stages, with 32-key tiles at head_dim 128 (llama-1b b32: 26.0 -> 23.9 us,
-    Phi-3 b16: 47.4 -> 38.5 us).
+    Phi-3 b16: 47.4 -> 38.5 us). Unsplit programs over a whole sequence (``LONG_PROGRAM_KEYS`` or
+    more keys, a full GPU: ``num_kv_splits``) at head_dim <= 64 want 128-key tiles, four warps and
+    three stages (H100, 2026-12-06, one split at context 1024: llama-1b b32 31.6 -> 26.9 us, b64
+    51.9 -> 49.1; SmolLM2 b64 30.1 -> 24.0); Phi-3's head_dim 128 keeps its tiles.
     """
     if INTERPRET:
         return KernelConfig(16 if decode else 32, 32, 1, 1)
@@ -266,6 +272,8 @@ def default_config(head_dim: int, dtype: torch.dtype, decode: bool, keys_per_spl
     if decode:
         if keys_per_split is not None and keys_per_split <= 128:
             return KernelConfig(16, 64 if head_dim <= 128 else 32, 4, 1)
+        if keys_per_split is not None and keys_per_split >= LONG_PROGRAM_KEYS and head_dim <= 64:
+            return KernelConfig(16, 128, 4, 3)
         return KernelConfig(16, 64 if head_dim <= 64 else 32, 2, 2)
     if head_dim <= 64:
         return KernelConfig(128, 64, 4, 3)
