@@ -17,7 +17,7 @@
 #   split-ab (decode attention unsplit once the SMs are full, against splitting at every batch; contexts 1K and 4K)
 #   skinny (the split-K linear's GPU tests; decode at 2-64 rows by default, with cuBLAS and with the split-K kernel)
 #   skinny-big (default and cuBLAS for Llama-8B and Phi-3-Small; a profiled batch-32 step) skinny-sweep (its configurations against cuBLAS)
-#   sweep-attention (decode attention's splits and launch configs) prefetch-ab (one-row linears loading 1 or 2 weight tiles before the PDL wait)
+#   attn-ab (decode attention now against unsplit with the earlier tiles and the earlier rule) sweep-attention (decode attention's splits and launch configs) prefetch-ab (one-row linears loading 1 or 2 weight tiles before the PDL wait)
 #   host-calls (the cost of one Python, numpy and CUDA call on the machine)
 # Logs and JSON land in $OUT (or ./out); each part has its own time limit so a call stays bounded.
 set -uo pipefail
@@ -107,6 +107,27 @@ split_kv_reduce.UNSPLIT_PROGRAMS_PER_SM = $unsplit
 from fullgraph.bench.__main__ import main
 sys.argv = ['bench', 'decode', '--preset', '$preset', '--batch', '16', '32', '64', '--context', '$ctx',
             '--modes', 'full', '--steps', '30', '--loop', 'overlap', '--out', '$OUT/split_${preset}_${ctx}_u$unsplit.json']
+main()"
+            done
+        done
+    done
+    ;;
+attn-ab)  # decode attention as it is (unsplit on a full GPU, long programs with 128-key tiles: NEW), unsplit with
+    # the earlier tiles (UNSPLIT), and split at every batch with the earlier tiles (OLD), back to back
+    run attn_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_triton_kernels.py -k "unsplit or split or replay"
+    for ctx in 1024 4096; do
+        for v in new:1:1024 unsplit:1:1000000000 old:1000000:1000000000; do
+            IFS=: read tag unsplit keys <<< "$v"
+            for preset in smollm2-135m llama-1b; do
+                run "attn_${preset}_${ctx}_$tag" 90 python3 -c "
+import sys
+from fullgraph.kernels import split_kv_reduce
+import importlib
+importlib.import_module('fullgraph.kernels.paged_attention').LONG_PROGRAM_KEYS = $keys
+split_kv_reduce.UNSPLIT_PROGRAMS_PER_SM = $unsplit
+from fullgraph.bench.__main__ import main
+sys.argv = ['bench', 'decode', '--preset', '$preset', '--batch', '16', '32', '64', '--context', '$ctx',
+            '--modes', 'full', '--steps', '30', '--loop', 'overlap', '--out', '$OUT/attn_${preset}_${ctx}_$tag.json']
 main()"
             done
         done
