@@ -105,7 +105,7 @@ import sys
 from fullgraph.kernels import split_kv_reduce
 split_kv_reduce.UNSPLIT_PROGRAMS_PER_SM = $unsplit
 from fullgraph.bench.__main__ import main
-sys.argv = ['bench', 'decode', '--preset', '$preset', '--batch', '16', '32', '64', '--context', '$ctx',
+sys.argv = ['bench', 'decode', '--preset', '$preset', '--batch', '32', '64', '--context', '$ctx',
             '--modes', 'full', '--steps', '30', '--loop', 'overlap', '--out', '$OUT/split_${preset}_${ctx}_u$unsplit.json']
 main()"
             done
@@ -116,7 +116,7 @@ attn-ab)  # decode attention as it is (unsplit on a full GPU, long programs with
     # the earlier tiles (UNSPLIT), and split at every batch with the earlier tiles (OLD), back to back
     run attn_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_triton_kernels.py -k "unsplit or split or replay"
     for ctx in 1024 4096; do
-        for v in new:1:1024 unsplit:1:1000000000 old:1000000:1000000000; do
+        for v in new:1:1024 old:1000000:1000000000 unsplit:1:1000000000; do
             IFS=: read tag unsplit keys <<< "$v"
             for preset in smollm2-135m llama-1b; do
                 run "attn_${preset}_${ctx}_$tag" 90 python3 -c "
@@ -126,7 +126,7 @@ import importlib
 importlib.import_module('fullgraph.kernels.paged_attention').LONG_PROGRAM_KEYS = $keys
 split_kv_reduce.UNSPLIT_PROGRAMS_PER_SM = $unsplit
 from fullgraph.bench.__main__ import main
-sys.argv = ['bench', 'decode', '--preset', '$preset', '--batch', '16', '32', '64', '--context', '$ctx',
+sys.argv = ['bench', 'decode', '--preset', '$preset', '--batch', '32', '64', '--context', '$ctx',
             '--modes', 'full', '--steps', '30', '--loop', 'overlap', '--out', '$OUT/attn_${preset}_${ctx}_$tag.json']
 main()"
             done

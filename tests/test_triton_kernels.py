@@ -466,12 +466,13 @@ def test_gpu_bf16_mixed(head_dim, page):
 @needs_cuda
 @pytest.mark.parametrize("heads", [(32, 8), (9, 3)])
 def test_gpu_bf16_decode_unsplit_long_programs(heads):
-    """One split over whole sequences (a full GPU) at head_dim 64: the long-program launch config
-    (128-key tiles, three stages) over pages that end mid-tile and padded rows."""
+    """One split over whole sequences at head_dim 64: the long-program launch config (128-key tiles,
+    three stages) over pages that end mid-tile and padded rows."""
     b = make_batch([(c, 1) for c in (5000, 1, 127, 2049, 4000, 63)], heads=heads, head_dim=64, pad_tokens=2,
                    pad_reqs=2, decode=True, dtype=torch.bfloat16, seed=23)
     span = b.block_table.shape[1] * b.kv_cache.shape[2]
-    assert span >= LONG_PROGRAM_KEYS and default_config(64, torch.bfloat16, True, span).block_n == 128
+    per_sm = b.block_table.shape[0] * heads[1] / torch.cuda.get_device_properties(0).multi_processor_count
+    assert span >= LONG_PROGRAM_KEYS and default_config(64, torch.bfloat16, True, span, per_sm).block_n == 128
     assert_flash_rule(run(b), b)
 
 

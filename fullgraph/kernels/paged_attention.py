@@ -45,6 +45,8 @@ Every output row is written: tokens of no request (padding) get zeros.
 """
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -239,6 +241,15 @@ def _paged_attention_kernel(
                               triton.next_power_of_2(NUM_SPLITS), CHUNK)
 
 
+@functools.cache
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    return _sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
 LONG_PROGRAM_KEYS = 1024  # a decode program walking this many keys or more streams with deeper pipelines
 
 
@@ -252,7 +263,8 @@ class KernelConfig:
     num_stages: int
 
 
-def default_config(head_dim: int, dtype: torch.dtype, decode: bool, keys_per_split: int | None = None) -> KernelConfig:
+def default_config(head_dim: int, dtype: torch.dtype, decode: bool, keys_per_split: int | None = None,
+                   programs_per_sm: float | None = None) -> KernelConfig:
     """Hopper-oriented tiles for fp16/bf16; small ones for fp32 and for the interpreter.
 
     Decode (memory-bound: one query token x GROUP heads) depends on how many keys one program
@@ -261,9 +273,11 @@ def default_config(head_dim: int, dtype: torch.dtype, decode: bool, keys_per_spl
     wants no pipelining (llama-1b b1: 6.1 -> 5.1 us, Phi-3 b1: 11.4 -> 8.4 us); longer ones want
     two warps and two stages, with 32-key tiles at head_dim 128 (llama-1b b32: 26.0 -> 23.9 us,
     Phi-3 b16: 47.4 -> 38.5 us). Unsplit programs over a whole sequence (``LONG_PROGRAM_KEYS`` or
-    more keys, a full GPU: ``num_kv_splits``) at head_dim <= 64 want 128-key tiles, four warps and
-    three stages (H100, 2026-12-06, one split at context 1024: llama-1b b32 31.6 -> 26.9 us, b64
-    51.9 -> 49.1; SmolLM2 b64 30.1 -> 24.0); Phi-3's head_dim 128 keeps its tiles.
+    more keys, a full GPU: ``num_kv_splits``) at head_dim <= 64, at most two an SM
+    (``programs_per_sm``), want 128-key tiles, four warps and three stages (H100, 2026-12-06,
+    decode steps, context 1024 / 4096: llama-1b b32 1.856 -> 1.797 / 3.190 -> 2.901 ms, SmolLM2 b64
+    1.850 -> 1.671 / 4.109 -> 3.335); with four an SM (llama-1b b64) they lost 1-2%; Phi-3's
+    head_dim 128 keeps its tiles.
     """
     if INTERPRET:
         return KernelConfig(16 if decode else 32, 32, 1, 1)
@@ -272,7 +286,8 @@ def default_config(head_dim: int, dtype: torch.dtype, decode: bool, keys_per_spl
     if decode:
         if keys_per_split is not None and keys_per_split <= 128:
             return KernelConfig(16, 64 if head_dim <= 128 else 32, 4, 1)
-        if keys_per_split is not None and keys_per_split >= LONG_PROGRAM_KEYS and head_dim <= 64:
+        if (keys_per_split is not None and keys_per_split >= LONG_PROGRAM_KEYS and head_dim <= 64
+                and programs_per_sm is not None and programs_per_sm <= 2):
             return KernelConfig(16, 128, 4, 3)
         return KernelConfig(16, 64 if head_dim <= 64 else 32, 2, 2)
     if head_dim <= 64:
@@ -383,7 +398,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         arrivals = q.new_empty(0, dtype=torch.int32)
     max_kv_len = block_table.shape[1] * kv_cache.shape[2]
     span = window if 0 < window < max_kv_len else max_kv_len     # keys one decode program walks at most
-    cfg = config or default_config(head_dim, q.dtype, decode_only, keys_per_split=-(-span // num_splits))
+    programs = block_table.shape[0] * kv_cache.shape[3] * num_splits
+    cfg = config or default_config(head_dim, q.dtype, decode_only, keys_per_split=-(-span // num_splits),
+                                   programs_per_sm=programs / _num_sms(q.device) if q.is_cuda else None)
     return _paged_attention_op(
         q, kv_cache, query_start_loc, seq_lens, block_table, part_out, part_lse, arrivals, float(scale),
         bool(decode_only), int(num_splits), cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
