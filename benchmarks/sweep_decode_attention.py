@@ -60,7 +60,8 @@ def dense_rows(name, batch, context, h, kvh, d, page, max_model_len):
     seq_lens = torch.full((batch,), context, device=DEV, dtype=torch.int32)
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
     default = num_kv_splits(batch, kvh, max_model_len, sms)
-    rows, base = [], default_config(d, torch.bfloat16, True)
+    rows, base = [], default_config(d, torch.bfloat16, True, -(-max_model_len // default),
+                                    batch * kvh * default / sms)   # the model's config at the default split
     variants = [(s, base) for s in sorted({1, max(1, default // 4), max(1, default // 2), default})]
     variants += [(default, c) for c in (KernelConfig(16, 64, 2, 2), KernelConfig(16, 64, 2, 1), KernelConfig(16, 32, 4, 2),
                                         KernelConfig(16, 32, 2, 2), KernelConfig(16, 128, 4, 2),

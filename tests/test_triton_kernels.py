@@ -471,9 +471,10 @@ def test_gpu_bf16_decode_unsplit_long_programs(heads):
     b = make_batch([(c, 1) for c in (5000, 1, 127, 2049, 4000, 63)], heads=heads, head_dim=64, pad_tokens=2,
                    pad_reqs=2, decode=True, dtype=torch.bfloat16, seed=23)
     span = b.block_table.shape[1] * b.kv_cache.shape[2]
-    per_sm = b.block_table.shape[0] * heads[1] / torch.cuda.get_device_properties(0).multi_processor_count
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    per_sm = b.block_table.shape[0] * heads[1] / sms
     assert span >= LONG_PROGRAM_KEYS and default_config(64, torch.bfloat16, True, span, per_sm).block_n == 128
-    assert_flash_rule(run(b), b)
+    assert_flash_rule(run(b, num_sms=sms), b)
 
 
 @gpu

@@ -45,8 +45,6 @@ Every output row is written: tokens of no request (padding) get zeros.
 """
 from __future__ import annotations
 
-import functools
-
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -241,15 +239,6 @@ def _paged_attention_kernel(
                               triton.next_power_of_2(NUM_SPLITS), CHUNK)
 
 
-@functools.cache
-def _sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _num_sms(device: torch.device) -> int:
-    return _sms(device.index if device.index is not None else torch.cuda.current_device())
-
-
 LONG_PROGRAM_KEYS = 1024  # a decode program walking this many keys or more streams with deeper pipelines
 
 
@@ -360,7 +349,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
                     seq_lens: torch.Tensor, block_table: torch.Tensor, *, scale: float, decode_only: bool,
                     num_splits: int = 1, part_out: torch.Tensor | None = None,
                     part_lse: torch.Tensor | None = None, arrivals: torch.Tensor | None = None,
-                    config: KernelConfig | None = None, window: int = 0) -> torch.Tensor:
+                    config: KernelConfig | None = None, window: int = 0, num_sms: int | None = None) -> torch.Tensor:
     """Causal attention of the step's new tokens over their requests' paged KV (module docstring).
 
     ``window`` > 0: sliding window, position q sees key k iff ``k <= q and q - k < window``
@@ -371,7 +360,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     layout contract), allocated once by the caller. With ``arrivals`` (int32, at least ``R * KVH``
     elements, all zero; the kernel leaves them zero) the last split of each (request, KV head) to
     finish merges the partials in the same launch; without it a second launch
-    (``split_kv_reduce``) does. Returns (T, H, D) in q's dtype.
+    (``split_kv_reduce``) does. ``num_sms``: the GPU's SM count (a backend's static fact), which
+    lets ``default_config`` pick long-program tiles for a decode step that leaves them few
+    programs; None: never. Returns (T, H, D) in q's dtype.
     """
     _check(q, kv_cache, query_start_loc, seq_lens, block_table, decode_only)
     if not isinstance(window, int) or window < 0:
@@ -400,7 +391,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     span = window if 0 < window < max_kv_len else max_kv_len     # keys one decode program walks at most
     programs = block_table.shape[0] * kv_cache.shape[3] * num_splits
     cfg = config or default_config(head_dim, q.dtype, decode_only, keys_per_split=-(-span // num_splits),
-                                   programs_per_sm=programs / _num_sms(q.device) if q.is_cuda else None)
+                                   programs_per_sm=programs / num_sms if num_sms else None)
     return _paged_attention_op(
         q, kv_cache, query_start_loc, seq_lens, block_table, part_out, part_lse, arrivals, float(scale),
         bool(decode_only), int(num_splits), cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,

@@ -131,4 +131,4 @@ class TritonBackend(AttentionBackend):
         splits = self.num_splits(block_table.shape[0], layer.num_kv_heads, window) if decode else 1
         return paged_attention(q, kv_cache, query_start_loc, seq_lens, block_table, scale=layer.scale,
                                decode_only=decode, num_splits=splits, part_out=self.part_out,
-                               part_lse=self.part_lse, arrivals=self.arrivals, window=window)
+                               part_lse=self.part_lse, arrivals=self.arrivals, window=window, num_sms=self.num_sms)
