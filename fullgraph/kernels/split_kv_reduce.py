@@ -31,8 +31,9 @@ UNSPLIT_PROGRAMS_PER_SM = 1  # ... unless one program per (request, KV head) alr
 def num_kv_splits(num_reqs: int, num_kv_heads: int, max_model_len: int, num_sms: int) -> int:
     """Splits per sequence of a decode step, enough for ``SPLIT_PROGRAMS_PER_SM`` programs per SM;
     none once the step's (request, KV head) programs fill every SM (``UNSPLIT_PROGRAMS_PER_SM``),
-    which spares the reduce launch. On an H100 (2026-12-06, llama-1b / SmolLM2, context 1024,
-    batches 1-64) one, two or four split programs an SM gave the same step times within 0.4%.
+    which spares the reduce launch. On H100s (2026-12-06, llama-1b / SmolLM2, batches 1-64) this
+    rule and splitting to one, two or four programs an SM at every batch gave the same step times
+    within 0.7% (contexts 1024 and 4096).
 
     Static inputs only (R is the padded request count, never a ``seq_lens`` value), so a graph
     replays the split count it was captured with, whatever the lengths of the replayed step."""
