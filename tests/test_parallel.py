@@ -33,6 +33,23 @@ def test_sharded_model_matches_one_process(model, world, tmp_path):
     assert result["greedy_equal"], result
 
 
+def test_ranks_loading_their_checkpoint_shards_match_one_process(tmp_path):
+    # every rank reads only its slices of a safetensors checkpoint (KV heads split over 2 ranks)
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("safetensors")
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():   # logits far from uniform, so greedy tokens have no near-ties
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if "norm" in name else 0.0, 0.1 if "norm" in name else 0.2)
+    model.save_pretrained(tmp_path / "ckpt")
+    result = _run("toy-llama", 2, tmp_path, 20, "--checkpoint", str(tmp_path / "ckpt"))
+    assert result["model"] == str(tmp_path / "ckpt")
+    assert result["max_rel_logit_error"] <= 1e-5 and result["greedy_equal"], result
+
+
 def test_compiled_sharded_model_traces_the_collectives(tmp_path):
     # torch.compile(fullgraph=True) over the functional all-reduces and all-gather (Inductor on the CPU)
     result = _run("toy-llama", 2, tmp_path, 12, "--compile")

@@ -39,14 +39,14 @@ def load_tokenizer(path: str | Path):
     return AutoTokenizer.from_pretrained(path)
 
 
-def _shard(model: nn.Module, size: int) -> nn.Module:
-    from ..parallel import init_tensor_parallel, shard_model
+def _tensor_parallel(size: int):
+    from ..parallel import init_tensor_parallel
 
     tp = init_tensor_parallel()
     if tp.world_size != size:
         raise ValueError(f"tensor_parallel_size={size}, but torchrun started {tp.world_size} processes "
                          f"(--nproc-per-node {size})")
-    return shard_model(model, tp)
+    return tp
 
 
 class LLM:
@@ -66,7 +66,7 @@ class LLM:
     prompt prefixes and skip their prefill (``Engine``); False computes every prompt in full.
     ``tensor_parallel_size`` N > 1: one of N processes started by ``torchrun --nproc-per-node N``
     (``fullgraph.parallel``); every rank runs the same ``LLM`` calls on its shard of the model and
-    gets the same tokens.
+    gets the same tokens. From a safetensors checkpoint each rank reads only its shard.
     """
 
     def __init__(self, model: str | Path | nn.Module, *, tokenizer="auto", dtype: torch.dtype | None = None,
@@ -77,14 +77,18 @@ class LLM:
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         eos = set(eos_token_ids or [])
-        if isinstance(model, (str, Path)):
+        tp = _tensor_parallel(tensor_parallel_size) if tensor_parallel_size != 1 else None
+        if isinstance(model, (str, Path)):   # each rank reads its shard of the checkpoint
             path = Path(model)
-            model = from_pretrained(path, dtype=dtype, device=device)
+            model = from_pretrained(path, dtype=dtype, device=device, tensor_parallel=tp)
             tokenizer = load_tokenizer(path) if tokenizer == "auto" else tokenizer
-        elif tokenizer == "auto":
-            tokenizer = None
-        if tensor_parallel_size != 1:
-            model = _shard(model, tensor_parallel_size)
+        else:
+            if tp is not None:
+                from ..parallel import shard_model
+
+                model = shard_model(model, tp)
+            if tokenizer == "auto":
+                tokenizer = None
         if eos_token_ids is None:
             eos |= set(getattr(model, "eos_token_ids", ()))
         if tokenizer is not None and eos_token_ids is None and getattr(tokenizer, "eos_token_id", None) is not None:

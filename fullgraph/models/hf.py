@@ -132,10 +132,11 @@ def _sliding(arch: str, cfg: Mapping, source: str) -> tuple[int | None, tuple[in
     return None, None
 
 
-def llama_state(hf: Mapping[str, torch.Tensor], config: LlamaConfig) -> dict[str, torch.Tensor]:
+def llama_state(hf: Mapping[str, torch.Tensor], config: LlamaConfig, sliced: bool = False) -> dict[str, torch.Tensor]:
     """A checkpoint's tensors (Hugging Face names) under ``Llama``'s names: ``model.`` dropped,
     q/k/v and gate/up fused (Phi-3 stores them fused already), a tied ``lm_head`` dropped.
-    Missing parts raise ``ValueError`` naming the checkpoint tensor."""
+    Missing parts raise ``ValueError`` naming the checkpoint tensor. ``sliced``: the tensors are a
+    tensor-parallel rank's cuts, their full shapes checked as they were read."""
     sd = {k.removeprefix("model."): v for k, v in hf.items() if "rotary_emb" not in k}
     if config.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
@@ -147,10 +148,10 @@ def llama_state(hf: Mapping[str, torch.Tensor], config: LlamaConfig) -> dict[str
         if p + "self_attn.qkv_proj.weight" not in sd:
             for kind in kinds:
                 fuse(sd, p + f"self_attn.qkv_proj.{kind}", [p + f"self_attn.{n}_proj.{kind}" for n in "qkv"],
-                     [(rows, d)[:2 if kind == "weight" else 1] for rows in (q, kv, kv)])
+                     None if sliced else [(rows, d)[:2 if kind == "weight" else 1] for rows in (q, kv, kv)])
         if p + "mlp.gate_up_proj.weight" not in sd:
             for kind in ("weight", "bias") if config.mlp_bias else ("weight",):
                 fuse(sd, p + f"mlp.gate_up_proj.{kind}", [p + f"mlp.{n}_proj.{kind}" for n in ("gate", "up")],
-                     [(ffn, d)[:2 if kind == "weight" else 1]] * 2)
+                     None if sliced else [(ffn, d)[:2 if kind == "weight" else 1]] * 2)
     return sd
 

@@ -44,21 +44,38 @@ def safetensors_files(path: str | Path) -> list[Path]:
 
 
 def load_safetensors_dir(path: str | Path, dtype: torch.dtype | None = None,
-                         device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+                         device: torch.device | str | None = None,
+                         cuts: Mapping[str, tuple] | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint, converted to ``dtype`` on ``device`` as it is read (one
-    shard at a time), with progress and the time it took."""
+    shard at a time), with progress and the time it took. ``cuts``: checkpoint name -> (a
+    ``parallel.shard.Cut``, the tensor's full shape): of those tensors only the cut is read from
+    the file (a tensor-parallel rank's shard), after checking the full shape."""
     try:
-        from safetensors.torch import load_file
+        from safetensors import safe_open
     except ImportError:
         raise ValueError("loading safetensors checkpoints needs the safetensors package "
                          "(pip install 'fullgraph[hf]')") from None
-    files, tensors, start = safetensors_files(path), {}, time.perf_counter()
+    files, tensors, start, read = safetensors_files(path), {}, time.perf_counter(), 0
     for i, file in enumerate(files):
-        for name, t in load_file(str(file)).items():
-            tensors[name] = t.to(device=device, dtype=dtype if t.is_floating_point() and dtype else t.dtype)
-        logger.info("loading %s: shard %d/%d, %d tensors, %.1f s", Path(path).name, i + 1, len(files), len(tensors),
-                    time.perf_counter() - start)
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                entry = (cuts or {}).get(name)
+                t = f.get_tensor(name) if entry is None else _read_cut(f.get_slice(name), name, *entry, file)
+                read += t.numel() * t.element_size()
+                tensors[name] = t.to(device=device, dtype=dtype if t.is_floating_point() and dtype else t.dtype)
+        logger.info("loading %s: shard %d/%d, %d tensors, %.1f MiB read, %.1f s", Path(path).name, i + 1, len(files),
+                    len(tensors), read / 2**20, time.perf_counter() - start)
     return tensors
+
+
+def _read_cut(piece, name: str, cut, shape: tuple[int, ...], file: Path) -> torch.Tensor:
+    """The part ``cut`` of the tensor ``name`` that ``piece`` (a safetensors slice) reads from the file."""
+    have = tuple(piece.get_shape())
+    if have != tuple(shape):
+        raise ValueError(f"{file}: {name} has shape {have}, the model expects {tuple(shape)}")
+    lead = (slice(None),) * cut.dim
+    parts = [piece[(*lead, slice(r.start, r.stop))] for r in cut.ranges]
+    return (parts[0] if len(parts) == 1 else torch.cat(parts, cut.dim)).contiguous()
 
 
 def to_model(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, device) -> dict[str, torch.Tensor]:

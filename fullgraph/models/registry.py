@@ -32,13 +32,13 @@ class Architecture:
 
     model: type[nn.Module]
     config: Callable[[Mapping, str], object]
-    state: Callable[[Mapping[str, torch.Tensor], object], dict[str, torch.Tensor]]
+    state: Callable[..., dict[str, torch.Tensor]]   # (tensors, config, sliced=False) -> our names
 
 
 ARCHITECTURES: dict[str, Architecture] = {
     **{name: Architecture(Llama, llama_config, llama_state) for name in LLAMA_FAMILY},
     "Phi3SmallForCausalLM": Architecture(Phi3Small, lambda hf, source: Phi3SmallConfig.from_hf(hf),
-                                         lambda sd, config: phi3_small_state(sd)),
+                                         lambda sd, config, sliced=False: phi3_small_state(sd)),
 }
 
 
@@ -61,24 +61,42 @@ def _architecture(hf: Mapping, source: str) -> str:
 
 
 def build(hf_config: Mapping, tensors: Mapping[str, torch.Tensor], *, dtype: torch.dtype,
-          device: torch.device | str | None, max_model_len: int | None, source: str) -> nn.Module:
-    """The model of ``hf_config`` with the given (Hugging Face named) tensors, whose storage it takes."""
-    arch = ARCHITECTURES[_architecture(hf_config, source)]
-    config = arch.config(hf_config, source)
+          device: torch.device | str | None, max_model_len: int | None, source: str,
+          tensor_parallel=None) -> nn.Module:
+    """The model of ``hf_config`` with the given (Hugging Face named) tensors, whose storage it
+    takes. ``tensor_parallel``: the tensors are that rank's cuts (``parallel.shard.checkpoint_cuts``)
+    and the model is built sharded."""
+    model, config = _meta_model(hf_config, dtype, max_model_len, source)
+    if tensor_parallel is not None:
+        from ..parallel import shard_model
+
+        shard_model(model, tensor_parallel)   # on meta: the shard's shapes, filled below
     device = torch.device(device or "cpu")
-    model = arch.model(config, dtype=dtype, device="meta", seed=None, max_model_len=max_model_len)
-    state = to_model(arch.state(dict(tensors), config), dtype, device)
+    arch = ARCHITECTURES[_architecture(hf_config, source)]
+    state = to_model(arch.state(dict(tensors), config, sliced=tensor_parallel is not None), dtype, device)
+    if tensor_parallel is not None and model.lm_head.weight is model.embed_tokens.weight and "embed_tokens.weight" in state:
+        state["lm_head.weight"] = state["embed_tokens.weight"]   # tied: the head is the embedding's rows
     model.load_own_state(state, source=source, share=True, prefix="model.")
     model.build_buffers(device)
     return model.eval()
 
 
+def _meta_model(hf_config: Mapping, dtype: torch.dtype, max_model_len: int | None, source: str):
+    """(the model of ``hf_config`` on ``meta``, unsharded; its config)."""
+    arch = ARCHITECTURES[_architecture(hf_config, source)]
+    config = arch.config(hf_config, source)
+    return arch.model(config, dtype=dtype, device="meta", seed=None, max_model_len=max_model_len), config
+
+
 def from_pretrained(path: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                    max_model_len: int | None = None) -> nn.Module:
+                    max_model_len: int | None = None, tensor_parallel=None) -> nn.Module:
     """A model from a Hugging Face checkpoint directory or a ``.gguf`` file (see the module
     docstring). ``max_model_len``: the longest sequence it will serve (RoPE tables, LongRoPE's
     factors); default the checkpoint's ``max_position_embeddings``. The model's ``eos_token_ids``
-    are the checkpoint's (``generation_config.json`` and ``config.json``, or the GGUF keys)."""
+    are the checkpoint's (``generation_config.json`` and ``config.json``, or the GGUF keys).
+    ``tensor_parallel`` (a ``fullgraph.parallel.TensorParallel``): this rank's shard of the model;
+    from safetensors it reads only the shard's slices of the sharded tensors (a ``.gguf`` file is
+    read whole, then sharded)."""
     path, start = Path(path), time.perf_counter()
     if path.is_file() and path.suffix == ".gguf":
         from .gguf import read_gguf
@@ -86,13 +104,22 @@ def from_pretrained(path: str | Path, *, dtype: torch.dtype = torch.float32, dev
         ckpt = read_gguf(path, dtype=dtype)
         model = build(ckpt.config, ckpt.state_dict, dtype=dtype, device=device, max_model_len=max_model_len,
                       source=path.name)
+        if tensor_parallel is not None:
+            from ..parallel import shard_model
+
+            shard_model(model, tensor_parallel)
         model.eos_token_ids = _ids(ckpt.config.get("eos_token_id"), ckpt.metadata.get("tokenizer.ggml.eot_token_id"))
     elif path.is_dir():
-        config = load_config(path)
-        _architecture(config, f"{path}/config.json")  # refuse before reading gigabytes
-        tensors = load_safetensors_dir(path, dtype=dtype, device=device)
-        model = build(config, tensors, dtype=dtype, device=device, max_model_len=max_model_len,
-                      source=f"{path}/config.json")
+        config, source = load_config(path), f"{path}/config.json"
+        _architecture(config, source)  # refuse before reading gigabytes
+        cuts = None
+        if tensor_parallel is not None:
+            from ..parallel.shard import checkpoint_cuts
+
+            cuts = checkpoint_cuts(_meta_model(config, dtype, max_model_len, source)[0], tensor_parallel)
+        tensors = load_safetensors_dir(path, dtype=dtype, device=device, cuts=cuts)
+        model = build(config, tensors, dtype=dtype, device=device, max_model_len=max_model_len, source=source,
+                      tensor_parallel=tensor_parallel)
         model.eos_token_ids = _ids(load_generation_config(path).get("eos_token_id"), config.get("eos_token_id"))
     else:
         raise ValueError(f"{path}: not a checkpoint directory (config.json + *.safetensors) nor a .gguf file")

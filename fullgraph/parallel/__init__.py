@@ -9,7 +9,9 @@ holding a shard of every layer and its own paged KV cache, all running the same 
   vocabulary split over the embedding (one all-reduce) and the LM head (one all-gather, so every
   rank holds the same full logits and samples the same token from the same seeds). KV heads are
   split across ranks, or replicated when there are fewer KV heads than ranks; Phi-3-Small's
-  block-sparse layers keep the global head index of their first head.
+  block-sparse layers keep the global head index of their first head. ``shard.shard_plan`` is the
+  one source of what a rank keeps; ``shard.checkpoint_cuts`` turns it into the slices a rank reads
+  of a safetensors checkpoint (``from_pretrained(path, tensor_parallel=tp)``).
 
 A sharded model follows the model protocol, so ``FullGraphRunner``, ``fg.LLM`` and the engine
 run it unchanged, every rank with the same inputs (the engine is deterministic: every rank

@@ -1,7 +1,8 @@
 """Tensor parallelism against one process: ``torchrun --nproc-per-node N -m fullgraph.testing.parallel``.
 
 Every rank builds the same model twice: whole (the reference, run by this process alone) and
-sharded over the group (``fullgraph.parallel.shard_model``). A random multi-step workload (several
+sharded over the group (``fullgraph.parallel.shard_model``; with ``--checkpoint DIR``, loaded
+from a safetensors checkpoint reading only the rank's shard). A random multi-step workload (several
 requests, chunked prefills and decodes mixed, random subsets each step) runs on both runners,
 page for page, and every step's logits are compared; then ``fg.LLM`` greedy-generates from both.
 Rank 0 prints one JSON line: the largest logit error relative to the largest logit, and whether
@@ -18,7 +19,7 @@ import sys
 import torch
 
 from ..engine import LLM, SamplingParams
-from ..models import Llama, LlamaConfig, Phi3Small, Phi3SmallConfig
+from ..models import Llama, LlamaConfig, Phi3Small, Phi3SmallConfig, from_pretrained
 from ..parallel import close_tensor_parallel, init_tensor_parallel, shard_model
 from ..plan import SeqChunk
 from ..runner import FullGraphRunner
@@ -73,6 +74,8 @@ def workload(runner_pair, steps: int, seed: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m fullgraph.testing.parallel", description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=sorted(MODELS), default="toy-llama")
+    p.add_argument("--checkpoint", help="a safetensors checkpoint directory instead of --model: each rank reads "
+                                        "only its shard of it (from_pretrained(..., tensor_parallel=...))")
     p.add_argument("--mode", default="padded", help='runner mode of both runners (default: "padded")')
     p.add_argument("--compile", action="store_true", help="compile=True for the sharded runner")
     p.add_argument("--steps", type=int, default=40)
@@ -81,7 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     tp = init_tensor_parallel()
     device = torch.device(f"cuda:{torch.cuda.current_device()}") if torch.cuda.is_available() else torch.device("cpu")
-    whole, sharded = MODELS[args.model]().to(device), shard_model(MODELS[args.model]().to(device), tp)
+    if args.checkpoint:
+        whole = from_pretrained(args.checkpoint, device=device)
+        sharded = from_pretrained(args.checkpoint, device=device, tensor_parallel=tp)
+    else:
+        whole, sharded = MODELS[args.model]().to(device), shard_model(MODELS[args.model]().to(device), tp)
     runners = [FullGraphRunner(m, cudagraph=args.mode, attention="sdpa", compile=c, **LIMITS)
                for m, c in ((whole, False), (sharded, args.compile))]
     worst = workload(runners, args.steps, args.seed)
@@ -90,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     tokens = [[list(o.outputs[0].token_ids) for o in LLM(m, cudagraph=args.mode, **LIMITS).generate(prompts, greedy)]
               for m in (whole, sharded)]
-    result = {"model": args.model, "world_size": tp.world_size, "mode": args.mode, "compile": args.compile,
+    result = {"model": args.checkpoint or args.model, "world_size": tp.world_size, "mode": args.mode, "compile": args.compile,
               "compiled_graphs": stats["compiled_graphs"], "recompiles": stats["recompiles_after_warmup"],
               "steps": args.steps,
               "max_rel_logit_error": worst, "greedy_equal": tokens[0] == tokens[1], "greedy_tokens": tokens[1]}
