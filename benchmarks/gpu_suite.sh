@@ -14,10 +14,10 @@
 #   decode-ab, decode-ab-big (decode rows of the tree in .base/, e.g. `git archive <commit> fullgraph | tar -x -C .base`,
 #   and ours back to back) fusions (FULLGRAPH_FUSE variants beside .base/) sweep-skinny (linear configs, rows 1-64)
 #   sampling (the sampling kernel's passes and undecided-zone sizes) reduce-ab (FULLGRAPH_FUSE=reduce against the default)
-#   split-ab (decode attention unsplit once the SMs are full, against splitting at every batch; contexts 1K and 4K)
 #   skinny (the split-K linear's GPU tests; decode at 2-64 rows by default, with cuBLAS and with the split-K kernel)
 #   skinny-big (default and cuBLAS for Llama-8B and Phi-3-Small; a profiled batch-32 step) skinny-sweep (its configurations against cuBLAS)
-#   attn-ab (decode attention now against unsplit with the earlier tiles and the earlier rule) sweep-attention (decode attention's splits and launch configs) prefetch-ab (one-row linears loading 1 or 2 weight tiles before the PDL wait)
+#   attn-ab (decode attention now against unsplit with the earlier tiles and the earlier rule)
+#   sweep-attention (decode attention's splits and launch configs)
 #   host-calls (the cost of one Python, numpy and CUDA call on the machine)
 # Logs and JSON land in $OUT (or ./out); each part has its own time limit so a call stays bounded.
 set -uo pipefail
@@ -94,24 +94,6 @@ main()"
         done
     done
     ;;
-split-ab)  # decode attention unsplit once one program per (request, KV head) fills every SM (the default,
-    # split_kv_reduce.UNSPLIT_PROGRAMS_PER_SM = 1: no reduce launch, five kernels a layer) against splitting to four
-    # programs an SM at every batch (the rule before), contexts 1024 and 4096, back to back
-    for ctx in 1024 4096; do
-        for unsplit in 1 1000000; do
-            for preset in smollm2-135m llama-1b; do
-                run "split_${preset}_${ctx}_u$unsplit" 90 python3 -c "
-import sys
-from fullgraph.kernels import split_kv_reduce
-split_kv_reduce.UNSPLIT_PROGRAMS_PER_SM = $unsplit
-from fullgraph.bench.__main__ import main
-sys.argv = ['bench', 'decode', '--preset', '$preset', '--batch', '32', '64', '--context', '$ctx',
-            '--modes', 'full', '--steps', '30', '--loop', 'overlap', '--out', '$OUT/split_${preset}_${ctx}_u$unsplit.json']
-main()"
-            done
-        done
-    done
-    ;;
 attn-ab)  # decode attention as it is (unsplit on a full GPU, long programs with 128-key tiles: NEW), unsplit with
     # the earlier tiles (UNSPLIT), and split at every batch with the earlier tiles (OLD), back to back
     run attn_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_triton_kernels.py -k "unsplit or split or replay"
@@ -130,25 +112,6 @@ sys.argv = ['bench', 'decode', '--preset', '$preset', '--batch', '32', '64', '--
             '--modes', 'full', '--steps', '30', '--loop', 'overlap', '--out', '$OUT/attn_${preset}_${ctx}_$tag.json']
 main()"
             done
-        done
-    done
-    ;;
-prefetch-ab)  # one-row steps with the one-row linears loading 1 (the default) or 2 weight tiles before their PDL
-    # wait (overlapping the kernel ahead), back to back
-    for pf in 1 2; do
-        for preset in smollm2-135m llama-1b; do
-            run "prefetch_${preset}_p$pf" 60 python3 -c "
-import importlib, sys
-linear, linear_rope_kv = (importlib.import_module(f'fullgraph.kernels.{m}') for m in ('linear', 'linear_rope_kv'))
-base = linear.launch_config
-def config(n, m=1):
-    c = base(n, m)
-    return c if m > 1 else (c[0], c[1], c[2], $pf, c[4])
-linear.launch_config = linear_rope_kv.launch_config = config
-from fullgraph.bench.__main__ import main
-sys.argv = ['bench', 'decode', '--preset', '$preset', '--batch', '1', '--context', '1024',
-            '--modes', 'full', '--steps', '40', '--loop', 'overlap', '--out', '$OUT/prefetch_${preset}_p$pf.json']
-main()"
         done
     done
     ;;
