@@ -106,6 +106,8 @@ def _serve_parser(sub, fmt, backends: list[str]) -> None:
     s.add_argument("--no-access-log", action="store_true", help="no log line per request")
     s.add_argument("--engine-in-process", action="store_true",
                    help="step the engine on a thread of the server's process (default: a process of its own)")
+    s.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="shard the model over this many processes (torchrun --nproc-per-node N; rank 0 serves HTTP)")
 
 
 def main(argv: list[str] | None = None) -> int:

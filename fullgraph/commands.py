@@ -151,11 +151,17 @@ def serve(args: argparse.Namespace) -> int:
             llm[name] = getattr(args, name)
     if args.no_prefix_caching:
         llm["enable_prefix_caching"] = False
+    if args.tensor_parallel_size != 1:
+        llm["tensor_parallel_size"] = args.tensor_parallel_size
     config = ServerConfig(model=args.model, preset=args.preset, host=args.host, port=args.port, api_key=args.api_key,
                           served_model_names=tuple(args.served_model_name or ()), max_logprobs=args.max_logprobs,
                           structured=False if args.no_structured else None, max_body_bytes=args.max_body_bytes, llm=llm,
                           warmup={"auto": None, "on": True, "off": False}[args.warmup],
                           engine_process=not args.engine_in_process)
+    if args.tensor_parallel_size != 1 and int(os.environ.get("RANK", "0")) != 0:
+        from .server.engine_process import follow
+
+        return follow(config)   # rank 0 serves HTTP; the others follow its engine
     return run(config, log_level=args.log_level, access_log=not args.no_access_log)
 
 

@@ -39,16 +39,6 @@ def load_tokenizer(path: str | Path):
     return AutoTokenizer.from_pretrained(path)
 
 
-def _tensor_parallel(size: int):
-    from ..parallel import init_tensor_parallel
-
-    tp = init_tensor_parallel()
-    if tp.world_size != size:
-        raise ValueError(f"tensor_parallel_size={size}, but torchrun started {tp.world_size} processes "
-                         f"(--nproc-per-node {size})")
-    return tp
-
-
 class LLM:
     """A model, a sampling runner and an engine, from a checkpoint path or a model.
 
@@ -77,7 +67,11 @@ class LLM:
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         eos = set(eos_token_ids or [])
-        tp = _tensor_parallel(tensor_parallel_size) if tensor_parallel_size != 1 else None
+        tp = None
+        if tensor_parallel_size != 1:
+            from ..parallel import tensor_parallel_of_size
+
+            tp = tensor_parallel_of_size(tensor_parallel_size)
         if isinstance(model, (str, Path)):   # each rank reads its shard of the checkpoint
             path = Path(model)
             model = from_pretrained(path, dtype=dtype, device=device, tensor_parallel=tp)

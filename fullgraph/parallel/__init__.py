@@ -17,7 +17,7 @@ A sharded model follows the model protocol, so ``FullGraphRunner``, ``fg.LLM`` a
 run it unchanged, every rank with the same inputs (the engine is deterministic: every rank
 schedules the same steps). See README "More than one GPU".
 """
-from .group import TensorParallel, close_tensor_parallel, init_tensor_parallel
+from .group import TensorParallel, close_tensor_parallel, init_tensor_parallel, tensor_parallel_of_size
 from .shard import shard_model
 
-__all__ = ["TensorParallel", "close_tensor_parallel", "init_tensor_parallel", "shard_model"]
+__all__ = ["TensorParallel", "close_tensor_parallel", "init_tensor_parallel", "shard_model", "tensor_parallel_of_size"]

@@ -56,6 +56,15 @@ def init_tensor_parallel(backend: str | None = None) -> TensorParallel:
     return TensorParallel(dist.get_rank(), dist.get_world_size(), dist.group.WORLD)
 
 
+def tensor_parallel_of_size(size: int) -> TensorParallel:
+    """``init_tensor_parallel()``, refusing a group of another size than the ``tensor_parallel_size`` asked for."""
+    tp = init_tensor_parallel()
+    if tp.world_size != size:
+        raise ValueError(f"tensor_parallel_size={size}, but torchrun started {tp.world_size} processes "
+                         f"(--nproc-per-node {size})")
+    return tp
+
+
 def close_tensor_parallel() -> None:
     """Leave the default group together and destroy it while the interpreter is whole (registered at
     exit by ``init_tensor_parallel`` for the group it created; a no-op once destroyed). Gloo's worker

@@ -63,6 +63,12 @@ class ServerConfig:
             raise ValueError(f"ServerConfig.served_model_names: expected non-empty strings, got {names!r}")
         object.__setattr__(self, "served_model_names", names)
         object.__setattr__(self, "llm", dict(self.llm))
+        size = self.llm.get("tensor_parallel_size", 1)
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"ServerConfig.llm['tensor_parallel_size']: expected an int >= 1, got {size!r}")
+        if size > 1 and not self.engine_process:
+            raise ValueError("ServerConfig: tensor_parallel_size > 1 needs engine_process=True (rank 0's engine "
+                             "process leads the ranks that follow it)")
 
     def default_name(self) -> str:
         if self.preset is not None:
@@ -100,13 +106,22 @@ def load_llm(config: ServerConfig):
     from ..models import from_pretrained, presets
 
     kw = dict(config.llm)
+    size, tp = kw.pop("tensor_parallel_size", 1), None
+    if size != 1:   # this process's rank of the group torchrun started ("cuda" is then cuda:LOCAL_RANK)
+        from ..parallel import tensor_parallel_of_size
+
+        tp = tensor_parallel_of_size(size)
     device = torch.device(kw.pop("device", None) or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = kw.pop("dtype", None) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if config.preset is not None:
         model, tokenizer = presets.build(config.preset, dtype=dtype, device=device, seed=0), None
-    else:
+        if tp is not None:
+            from ..parallel import shard_model
+
+            model = shard_model(model, tp)
+    else:   # each rank reads only its shard of a safetensors checkpoint
         path = Path(config.model)
-        model, tokenizer = from_pretrained(path, dtype=dtype, device=device), _tokenizer(path)
+        model, tokenizer = from_pretrained(path, dtype=dtype, device=device, tensor_parallel=tp), _tokenizer(path)
     llm = LLM(model, tokenizer=tokenizer, dtype=dtype, device=device, max_logprobs=config.max_logprobs,
               structured=config.structured_on, **kw)
     cfg = llm.runner.config
