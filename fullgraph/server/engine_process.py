@@ -25,6 +25,10 @@ The child ignores SIGINT (Ctrl-C in the terminal reaches the whole process group
 drains its requests and then stops it. :class:`ProcessEngineLoop` is the server side, with :class:`~.loop.EngineLoop`'s
 interface (``submit``, ``abort``, ``snapshot``, ``stop``): a reader thread receives (blocking
 in ``recv``, which releases the lock) and hands each step to the event loop in one call.
+
+Tensor parallel (``tensor_parallel_size`` N > 1 under ``torchrun``): rank 0 is this server and
+its engine process; ranks 1 .. N-1 run :func:`follow`, which makes the calls and steps rank 0's
+engine sends before each step (:class:`_Followers`).
 """
 from __future__ import annotations
 
