@@ -159,7 +159,7 @@ def serve(args: argparse.Namespace) -> int:
                           warmup={"auto": None, "on": True, "off": False}[args.warmup],
                           engine_process=not args.engine_in_process)
     if args.tensor_parallel_size != 1 and int(os.environ.get("RANK", "0")) != 0:
-        from .server.engine_process import follow
+        from .server.followers import follow
 
         return follow(config)   # rank 0 serves HTTP; the others follow its engine
     return run(config, log_level=args.log_level, access_log=not args.no_access_log)
