@@ -83,7 +83,8 @@ def reads(monkeypatch):
 
 
 def _same_model(sliced, reference) -> None:
-    a, b = dict(sliced.named_parameters(remove_duplicate=False)), dict(reference.named_parameters(remove_duplicate=False))
+    a = dict(sliced.named_parameters(remove_duplicate=False))
+    b = dict(reference.named_parameters(remove_duplicate=False))
     assert a.keys() == b.keys()
     for name in a:
         assert a[name].shape == b[name].shape and torch.equal(a[name], b[name]), name

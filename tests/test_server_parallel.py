@@ -50,7 +50,8 @@ def test_two_ranks_serve_what_one_process_generates(tmp_path):
         server.wait(60)
     model = presets.build("toy", dtype=torch.float32, device=torch.device("cpu"), seed=0)
     llm = fg.LLM(model, **LIMITS)
-    greedy = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, fg.SamplingParams(temperature=0, max_tokens=8))]
+    greedy = [list(o.outputs[0].token_ids)
+              for o in llm.generate(prompts, fg.SamplingParams(temperature=0, max_tokens=8))]
     seeded = [list(o.outputs[0].token_ids) for o in
               llm.generate(prompts[:2], fg.SamplingParams(temperature=0.8, seed=3, max_tokens=8))]
     assert [c["token_ids"] for c in first["choices"]] == greedy

@@ -74,8 +74,9 @@ def build(hf_config: Mapping, tensors: Mapping[str, torch.Tensor], *, dtype: tor
     device = torch.device(device or "cpu")
     arch = ARCHITECTURES[_architecture(hf_config, source)]
     state = to_model(arch.state(dict(tensors), config, sliced=tensor_parallel is not None), dtype, device)
-    if tensor_parallel is not None and model.lm_head.weight is model.embed_tokens.weight and "embed_tokens.weight" in state:
-        state["lm_head.weight"] = state["embed_tokens.weight"]   # tied: the head is the embedding's rows
+    tied = tensor_parallel is not None and model.lm_head.weight is model.embed_tokens.weight
+    if tied and "embed_tokens.weight" in state:
+        state["lm_head.weight"] = state["embed_tokens.weight"]   # the sharded head is the embedding's rows
     model.load_own_state(state, source=source, share=True, prefix="model.")
     model.build_buffers(device)
     return model.eval()

@@ -204,11 +204,12 @@ def checkpoint_cuts(model: nn.Module, tp: TensorParallel) -> dict[str, tuple[Cut
         out[name if name.startswith("lm_head") else "model." + name] = (cut, shape)
         if not isinstance(model, Llama):
             continue
-        owner, _, kind = name.rpartition(".")
+        owner, _, kind = name.rpartition(".")        # layers.{i}.self_attn.qkv_proj, weight
         c = model.config
         q, kv, ffn = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
-        parts = {"self_attn.qkv_proj": (("q_proj", q), ("k_proj", kv), ("v_proj", kv)),
-                 "mlp.gate_up_proj": (("gate_proj", ffn), ("up_proj", ffn))}.get(owner.partition(".")[2].partition(".")[2])
+        fused = {"self_attn.qkv_proj": (("q_proj", q), ("k_proj", kv), ("v_proj", kv)),
+                 "mlp.gate_up_proj": (("gate_proj", ffn), ("up_proj", ffn))}
+        parts = fused.get(owner.split(".", 2)[-1])
         offset = 0
         for part, size in parts or ():
             piece = cut.within(offset, size)
