@@ -3,6 +3,7 @@ ranks 1 .. N-1 follow (``follow``), every rank making the same engine calls and 
 from __future__ import annotations
 
 import logging
+import pickle
 
 logger = logging.getLogger("fullgraph.server")
 
@@ -32,11 +33,40 @@ class Followers:
 
     def send(self, stepping: bool | None) -> None:
         """This iteration's calls and whether a step follows (None: stop)."""
-        import torch.distributed as dist
-
-        message = [None if stepping is None else (self._calls, stepping)]
-        dist.broadcast_object_list(message, src=0, group=self._group)
+        _send(self._group, self._calls, stepping)
         self._calls = []
+
+
+STOP, IDLE, STEP = -1, 0, 1
+
+
+def _send(group, calls: list, stepping: bool | None) -> None:
+    """One header broadcast (what follows; the calls' pickled size), and the calls only if any: a
+    decode step with nothing new costs one small collective, not a pickled object's two."""
+    import torch
+    import torch.distributed as dist
+
+    payload = pickle.dumps(calls) if calls else b""
+    what = STOP if stepping is None else (STEP if stepping else IDLE)
+    dist.broadcast(torch.tensor([what, len(payload)], dtype=torch.int64), src=0, group=group)
+    if payload:
+        dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0, group=group)
+
+
+def _receive(group) -> tuple[list, bool | None]:
+    """What ``_send`` sent: (the calls, whether a step follows; None: stop)."""
+    import torch
+    import torch.distributed as dist
+
+    header = torch.zeros(2, dtype=torch.int64)
+    dist.broadcast(header, src=0, group=group)
+    what, size = header.tolist()
+    calls = []
+    if size:
+        payload = torch.empty(size, dtype=torch.uint8)
+        dist.broadcast(payload, src=0, group=group)
+        calls = pickle.loads(payload.numpy().tobytes())
+    return calls, None if what == STOP else what == STEP
 
 
 def _control_group():
@@ -48,22 +78,18 @@ def _control_group():
 def follow(config) -> int:
     """A rank > 0 of a tensor-parallel server: load its shard, then make rank 0's engine calls and
     steps as they come (``Followers``), until rank 0 stops. Its outputs are rank 0's; it keeps none."""
-    import torch.distributed as dist
-
     from .config import load_llm
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     engine = load_llm(config).engine
     group = _control_group()
     while True:
-        message = [None]
-        dist.broadcast_object_list(message, src=0, group=group)
-        if message[0] is None:
+        calls, stepping = _receive(group)
+        if stepping is None:
             from ..parallel import close_tensor_parallel
 
             close_tensor_parallel()
             return 0
-        calls, stepping = message[0]
         for name, args in calls:
             try:
                 getattr(engine, name)(*args)
