@@ -105,7 +105,7 @@ attn-ab)  # decode attention as it is (unsplit on a full GPU, long programs with
 import sys
 from fullgraph.kernels import split_kv_reduce
 import importlib
-importlib.import_module('fullgraph.kernels.paged_attention').LONG_PROGRAM_KEYS = $keys
+importlib.import_module('fullgraph.kernels.attention_config').LONG_PROGRAM_KEYS = $keys
 split_kv_reduce.UNSPLIT_PROGRAMS_PER_SM = $unsplit
 from fullgraph.bench.__main__ import main
 sys.argv = ['bench', 'decode', '--preset', '$preset', '--batch', '32', '64', '--context', '$ctx',

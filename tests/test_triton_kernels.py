@@ -20,7 +20,7 @@ from fullgraph.attention.backends import BackendLimits, get_backend_class
 from fullgraph.attention import AttentionMetadata
 from fullgraph.kernels import KernelConfig, kv_write, num_kv_splits, paged_attention, split_workspace_rows
 from fullgraph.kernels.split_kv_reduce import MAX_SPLITS, merge_chunk
-from fullgraph.kernels.paged_attention import LONG_PROGRAM_KEYS, default_config
+from fullgraph.kernels.attention_config import LONG_PROGRAM_KEYS, default_config
 from fullgraph.attention.backends import triton as triton_backend
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

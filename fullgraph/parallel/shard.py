@@ -90,7 +90,7 @@ def shard_model(model: nn.Module, tp: TensorParallel) -> nn.Module:
         lin = model.get_submodule(owner)
         parent, _, attr = owner.rpartition(".")
         if cut.dim == 0:   # column-parallel: its output features (and their biases)
-            setattr(model.get_submodule(parent), attr, _column(lin, cut, plan.get(owner + ".bias")))
+            setattr(model.get_submodule(parent), attr, _column(lin, cut))
         else:              # row-parallel: its input features, one all-reduce
             setattr(model.get_submodule(parent), attr, _row(lin, cut, tp))
     for layer in model.layers:
@@ -117,13 +117,13 @@ def _rows(heads: range, head_dim: int, base: int = 0) -> range:
     return range(base + heads.start * head_dim, base + heads.stop * head_dim)
 
 
-def _column(lin: nn.Linear, cut: Cut, bias_cut: Cut | None) -> Linear:
+def _column(lin: nn.Linear, cut: Cut) -> Linear:
     """The output features ``cut`` keeps of ``lin`` (with their bias)."""
     weight = cut.take(lin.weight.detach())
     out = Linear(lin.in_features, weight.shape[0], bias=lin.bias is not None, device="meta")
     out.weight = nn.Parameter(weight, requires_grad=False)
     if lin.bias is not None:
-        out.bias = nn.Parameter((bias_cut or Cut(0, cut.ranges)).take(lin.bias.detach()), requires_grad=False)
+        out.bias = nn.Parameter(cut.take(lin.bias.detach()), requires_grad=False)
     return out
 
 
@@ -146,14 +146,8 @@ def _llama_plan(model: Llama, tp: TensorParallel) -> dict[str, Cut]:
     ffn = _part(c.intermediate_size, tp, "intermediate_size")
     qkv = Cut(0, (_rows(heads.q, d), _rows(heads.kv, d, q_size), _rows(heads.kv, d, q_size + kv_size)))
     gate_up = Cut(0, (ffn, range(c.intermediate_size + ffn.start, c.intermediate_size + ffn.stop)))
-    plan = {}
-    for i in range(c.num_layers):
-        p = f"layers.{i}."
-        plan[p + "self_attn.qkv_proj.weight"] = plan[p + "self_attn.qkv_proj.bias"] = qkv
-        plan[p + "self_attn.o_proj.weight"] = Cut(1, (_rows(heads.q, d),))
-        plan[p + "mlp.gate_up_proj.weight"] = plan[p + "mlp.gate_up_proj.bias"] = gate_up
-        plan[p + "mlp.down_proj.weight"] = Cut(1, (ffn,))
-    return _existing(model, plan)
+    return _layers(model, c.num_layers, {"self_attn.qkv_proj": qkv, "mlp.gate_up_proj": gate_up},
+                   {"self_attn.o_proj": Cut(1, (_rows(heads.q, d),)), "mlp.down_proj": Cut(1, (ffn,))})
 
 
 def _phi3_small_plan(model: Phi3Small, tp: TensorParallel) -> dict[str, Cut]:
@@ -169,18 +163,19 @@ def _phi3_small_plan(model: Phi3Small, tp: TensorParallel) -> dict[str, Cut]:
         rows += [_rows(range(mine[0], mine[-1] + 1), d, base), _rows(range(group, group + 2), d, base)]
     qkv = Cut(0, tuple(rows))
     up = Cut(0, (range(2 * ffn.start, 2 * ffn.stop),))   # GeGeLU's interleaved (gelu, linear) row pairs
+    return _layers(model, c.num_hidden_layers, {"self_attn.query_key_value": qkv, "mlp.up_proj": up},
+                   {"self_attn.dense": Cut(1, (_rows(heads.q, d),)), "mlp.down_proj": Cut(1, (ffn,))})
+
+
+def _layers(model: nn.Module, num_layers: int, columns: dict[str, Cut], rows: dict[str, Cut]) -> dict[str, Cut]:
+    """Every layer's cuts: column-parallel linears (weight and bias cut alike) and row-parallel ones
+    (the weight's columns; the bias stays whole), for the parameters the model has."""
     plan = {}
-    for i in range(c.num_hidden_layers):
-        p = f"layers.{i}."
-        plan[p + "self_attn.query_key_value.weight"] = plan[p + "self_attn.query_key_value.bias"] = qkv
-        plan[p + "self_attn.dense.weight"] = Cut(1, (_rows(heads.q, d),))
-        plan[p + "mlp.up_proj.weight"] = plan[p + "mlp.up_proj.bias"] = up
-        plan[p + "mlp.down_proj.weight"] = Cut(1, (ffn,))
-    return _existing(model, plan)
-
-
-def _existing(model: nn.Module, plan: dict[str, Cut]) -> dict[str, Cut]:
-    """The plan's entries for parameters the model has (biases are optional)."""
+    for i in range(num_layers):
+        for name, cut in columns.items():
+            plan[f"layers.{i}.{name}.weight"] = plan[f"layers.{i}.{name}.bias"] = cut
+        for name, cut in rows.items():
+            plan[f"layers.{i}.{name}.weight"] = cut
     names = dict(model.named_parameters())
     return {k: v for k, v in plan.items() if k in names}
 
