@@ -13,7 +13,7 @@
 #   big-steps (mixed steps of 512-2048 tokens: graph vs padded-eager) host (a step's host work by stage)
 #   decode-ab, decode-ab-big (decode rows of the tree in .base/, e.g. `git archive <commit> fullgraph | tar -x -C .base`,
 #   and ours back to back) fusions (FULLGRAPH_FUSE variants beside .base/) sweep-skinny (linear configs, rows 1-64)
-#   sampling (the sampling kernel's passes and undecided-zone sizes) reduce-ab (FULLGRAPH_FUSE=reduce against the default)
+#   sampling (the sampling kernel's passes and undecided-zone sizes) sampling-ab (.base/'s sampling kernel, then ours) reduce-ab (FULLGRAPH_FUSE=reduce against the default)
 #   skinny (the split-K linear's GPU tests; decode at 2-64 rows by default, with cuBLAS and with the split-K kernel)
 #   skinny-big (default and cuBLAS for Llama-8B and Phi-3-Small; a profiled batch-32 step) skinny-sweep (its configurations against cuBLAS)
 #   attn-ab (decode attention now against unsplit with the earlier tiles and the earlier rule)
@@ -193,6 +193,14 @@ engine)
     run engine_overhead 150 python3 benchmarks/engine_overhead.py --out "$OUT/engine_overhead.json"
     run sampling 90 python3 benchmarks/bench_sampling.py --out "$OUT/sampling.json"
     run mask 60 python3 benchmarks/bench_mask.py --out "$OUT/mask.json"
+    ;;
+sampling-ab)  # the sampling kernel of .base/ and of this tree back to back: its GPU tests, the table, then this
+    # tree's passes, zones and the scores top-k rows list a chunk (bench_sampling.py --sweep-topk)
+    run sampling_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_sampling.py
+    (cd .base && PYTHONPATH=. run sampling_old 120 python3 ../benchmarks/bench_sampling.py --skip-reference \
+        --out "$OUT/sampling_old.json")
+    run sampling_new 240 python3 benchmarks/bench_sampling.py --skip-reference --zones --passes --sweep-topk \
+        --out "$OUT/sampling_new.json"
     ;;
 sampling)  # the sampling kernel alone: undecided tokens per row, each pass at batch 32, the table (no sort reference)
     run sampling_passes 150 python3 benchmarks/bench_sampling.py --skip-reference --zones --passes --sweep \
