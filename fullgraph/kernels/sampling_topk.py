@@ -30,11 +30,12 @@ import triton
 import triton.language as tl
 
 from .sampling_chain import STATE
-from .sampling_common import INT_MAX, NEG_INF, _max_and_first, _raw, _scaled, _track_max
+from .sampling_common import INT_MAX, NEG_INF, _key, _max_and_first, _raw, _scaled, _track_max, _unkey
 
 TOP_VALUES = 16  # scores a chunk lists (k up to TOP_VALUES * chunks takes this path)
 LISTED = tl.constexpr(3)     # zones STATE of a row whose candidates are listed (see sampling_chain.STATE) ...
 COMPLETE = tl.constexpr(4)   # ... and of one whose chunks' lists hold them all
+K_NEG_INF = tl.constexpr(-2139095041 << 32)   # _scan_values' int64 entry of -inf: _key(-inf) above id INT_MAX
 
 
 @triton.jit
@@ -68,16 +69,19 @@ def _scan_values(x_row, row_part, values, ids, bound, c, chunk, vocab, inv_t, BL
         win = tl.where(above, s, win)
     m, first = _max_and_first(best, arg)
     tl.store(row_part, m)
+    # One int64 per entry, the score's order-preserving key above INT_MAX - id: one max a step gives
+    # the largest score and, among equal ones, the lowest id (ids are distinct per position).
+    k_win = (_key(win).to(tl.int64) << 32) | (2**31 - 1 - win_id.to(tl.int64))
+    k_run = (_key(run).to(tl.int64) << 32) | (2**31 - 1 - run_id.to(tl.int64))
     for i in tl.static_range(TK):
-        top = tl.max(win, 0)
-        pick = tl.min(tl.where(win == top, win_id, INT_MAX), 0)
-        tl.store(values + i, top)
-        tl.store(ids + i, pick)
-        hit = (win_id == pick) & (win == top)         # its runner-up moves up; what is below it stays bounded
-        win = tl.where(hit, run, win)
-        win_id = tl.where(hit, run_id, win_id)
-        run = tl.where(hit, NEG_INF, run)
-    tl.store(bound, tl.maximum(tl.max(win, 0), tl.max(third, 0)))
+        top = tl.max(k_win, 0)
+        tl.store(values + i, _unkey((top >> 32).to(tl.int32)))
+        tl.store(ids + i, (2**31 - 1 - (top & (2**31 - 1))).to(tl.int32))
+        hit = k_win == top                            # its runner-up moves up; what is below it stays bounded
+        k_win = tl.where(hit, k_run, k_win)
+        k_run = tl.where(hit, K_NEG_INF, k_run)
+    left = _unkey((tl.max(k_win, 0) >> 32).to(tl.int32))
+    tl.store(bound, tl.maximum(left, tl.max(third, 0)))
     return first
 
 
