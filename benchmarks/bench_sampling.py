@@ -167,6 +167,15 @@ def print_sweep_topk(gen: torch.Generator) -> list[dict]:
                                  "top_values": tv, "sample_us": us, "decided": decided})
                     print(f"sweep-topk {kind:7s} batch {batch:3d} {'default' if per_sm is None else f'{per_sm}/SM':8s} "
                           f"top_values {tv:3d} {us:8.1f} us, decided from the lists {decided}/{batch}", flush=True)
+            if batch == 64:                          # the top-p rows at the same two shapes
+                for name in ("top_p=0.9", "top_p=0.5"):
+                    ps = params(batch, SETTINGS[name])
+                    for per_sm in (4, 8):
+                        chunks = max(1, min(-(-VOCAB // 1024), -(-per_sm * sms // batch)))
+                        us = time_calls(lambda x: kernel.launch(x, *ps, block=1024, num_chunks=chunks), inputs)
+                        rows.append({"logits": kind, "setting": name, "batch": batch, "programs_per_sm": per_sm,
+                                     "num_chunks": chunks, "sample_us": us})
+                        print(f"sweep-topk {kind:7s} batch {batch:3d} {per_sm}/SM      {name:22s} {us:8.1f} us", flush=True)
             del inputs
     return rows
 

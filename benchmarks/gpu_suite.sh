@@ -199,8 +199,9 @@ sampling-ab)  # the sampling kernel of .base/ and of this tree back to back: its
     run sampling_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_sampling.py
     (cd .base && PYTHONPATH=. run sampling_old 120 python3 ../benchmarks/bench_sampling.py --skip-reference \
         --out "$OUT/sampling_old.json")
-    run sampling_new 240 python3 benchmarks/bench_sampling.py --skip-reference --zones --passes --sweep-topk \
-        --out "$OUT/sampling_new.json"
+    run sampling_new 120 python3 benchmarks/bench_sampling.py --skip-reference --out "$OUT/sampling_new.json"
+    run sampling_sweep 240 python3 benchmarks/bench_sampling.py --skip-reference --zones --passes --sweep-topk \
+        --out "$OUT/sampling_sweep.json"
     ;;
 sampling)  # the sampling kernel alone: undecided tokens per row, each pass at batch 32, the table (no sort reference)
     run sampling_passes 150 python3 benchmarks/bench_sampling.py --skip-reference --zones --passes --sweep \

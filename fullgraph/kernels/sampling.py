@@ -315,9 +315,9 @@ def launch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
            list_top: int = LIST_TOP, chain: int = CHAIN, top_values: int = TOP_VALUES,
            workspace: dict | None = None) -> torch.Tensor:
     """Launch the passes; ``block``, ``num_chunks``, ``cand_block``, ``refine_above``, ``list_top``,
-    ``chain`` (1, 2 or 4) and ``top_values`` (a power of two) are tuning knobs (tests shrink them to reach every path on small
-    vocabularies; None: ``_launch_shape``); a ``workspace`` dict receives the intermediate tensors
-    (``zones``: see ``_level_zones`` and ``sampling_chain``).
+    ``chain`` (1, 2 or 4) and ``top_values`` (a power of two from 4) are tuning knobs (tests shrink
+    them to reach every path on small vocabularies; None: ``_launch_shape``); a ``workspace`` dict
+    receives the intermediate tensors (``zones``: see ``_level_zones`` and ``sampling_chain``).
     Capture-safe: the launch shape depends on the row count only."""
     rows, vocab = logits.shape
     out = compile_ahead.output(rows, torch.int64, logits.device)
@@ -364,9 +364,9 @@ def launch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                                 **meta)
     _compact_kernel[(rows, c)](logits, *params, part_f, part_i, zones, cand, vocab, chunk, c, chunk,
                                logits.stride(0), num_warps=warps, **meta)
-    _select_kernel[(rows,)](logits, *params, part_f, part_i, zones, cand, scratch, values, value_ids, out, vocab, c,
-                            chunk, logits.stride(0), CB=cand_block, CB_SMALL=max(16, min(CAND_SMALL, cand_block // 4)),
-                            RB=REFINE_BUCKETS, LB=LIST_BLOCK, C_BITS=c_pad.bit_length() - 1, TK=top_values,
+    _select_kernel[(rows,)](logits, *params, part_f, part_i, zones, cand, scratch, values, value_ids, bounds, out,
+                            vocab, c, chunk, logits.stride(0), CB=cand_block,
+                            CB_SMALL=max(16, min(CAND_SMALL, cand_block // 4)), RB=REFINE_BUCKETS, LB=LIST_BLOCK, C_BITS=c_pad.bit_length() - 1, TK=top_values,
                             num_warps=16 if cand_block >= 4096 else 4, **meta)
     return out
 

@@ -225,8 +225,8 @@ def _direct_thresholds(x_row, ends_ptr, cand_ptr, row, num_chunks, seg_cap, voca
 
 
 @triton.jit
-def _decide_topk(values_ptr, ids_ptr, part_f_ptr, zrow, row, num_chunks, inv_t, top_k, top_p, min_p, seed, offset,
-                 TK: tl.constexpr, C_PAD: tl.constexpr):
+def _decide_topk(values_ptr, ids_ptr, bounds_ptr, part_f_ptr, zrow, row, num_chunks, inv_t, top_k, top_p, min_p,
+                 seed, offset, TK: tl.constexpr, C_PAD: tl.constexpr):
     """The select pass's work for a complete row: v_k, Z_k, v_p and the Gumbel winner over its listed
     scores (every token at or above v_k among them), in registers; -1 if nothing is kept (not
     reached while the row's max is finite: the caller keeps the greedy token then)."""
@@ -235,11 +235,13 @@ def _decide_topk(values_ptr, ids_ptr, part_f_ptr, zrow, row, num_chunks, inv_t, 
     ids = tl.load(ids_ptr + row * num_chunks * TK + e, mask=e < num_chunks * TK, other=0)
     cs = tl.arange(0, C_PAD)
     s_max = tl.max(tl.load(part_f_ptr + (row * num_chunks + cs) * 4, mask=cs < num_chunks, other=NEG_INF), 0) * inv_t
-    ok = vals > NEG_INF
-    v_k, z = _values_search(vals, ok, s_max, NEG_INF, 0, top_k, False, 8)
+    # v_k lies above every chunk's bound (the row is complete): the searches need only the entries
+    # above it, a narrower key range (fewer steps of a wider search)
+    ok = vals > tl.max(tl.load(bounds_ptr + row * num_chunks + cs, mask=cs < num_chunks, other=NEG_INF), 0)
+    v_k, z = _values_search(vals, ok, s_max, NEG_INF, 0, top_k, False, 16)
     v_p = tl.full([], NEG_INF, tl.float32)
     if top_p < 1.0:
-        v_p, _ = _values_search(vals, ok, s_max, v_k, 0.0, top_p * z, True, 8)
+        v_p, _ = _values_search(vals, ok, s_max, v_k, 0.0, top_p * z, True, 16)
     keep = ok & (vals >= v_k) & (vals >= v_p) & (tl.exp(vals - s_max) >= min_p)
     score = tl.where(keep, vals + _noise_at(tl.where(ok, ids, 0), seed, offset), NEG_INF)
     best = tl.max(score, 0)
@@ -252,7 +254,7 @@ def _decide_topk(values_ptr, ids_ptr, part_f_ptr, zrow, row, num_chunks, inv_t, 
 @triton.jit
 def _select_kernel(
         logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, offset_ptr,   # pointers
-        part_f_ptr, part_i_ptr, zones_ptr, cand_ptr, scratch_ptr, values_ptr, value_ids_ptr, out_ptr,
+        part_f_ptr, part_i_ptr, zones_ptr, cand_ptr, scratch_ptr, values_ptr, value_ids_ptr, bounds_ptr, out_ptr,
         vocab, num_chunks, seg_cap,                                                    # sizes
         stride_l,                                                                      # strides
         NB: tl.constexpr, BPN: tl.constexpr, BLOCK: tl.constexpr, C_PAD: tl.constexpr,
@@ -266,9 +268,9 @@ def _select_kernel(
     state = tl.load(zrow + STATE)
     if state == COMPLETE:                                          # a top-k row its chunks' lists hold
         t = tl.load(temp_ptr + row)
-        token = _decide_topk(values_ptr, value_ids_ptr, part_f_ptr, zrow, row, num_chunks, tl.math.div_rn(1.0, t),
-                             tl.load(top_k_ptr + row), tl.load(top_p_ptr + row), tl.load(min_p_ptr + row),
-                             tl.load(seed_ptr + row), tl.load(offset_ptr + row), TK, C_PAD)
+        token = _decide_topk(values_ptr, value_ids_ptr, bounds_ptr, part_f_ptr, zrow, row, num_chunks,
+                             tl.math.div_rn(1.0, t), tl.load(top_k_ptr + row), tl.load(top_p_ptr + row),
+                             tl.load(min_p_ptr + row), tl.load(seed_ptr + row), tl.load(offset_ptr + row), TK, C_PAD)
         if token < 0:
             token = _greedy(part_f_ptr, part_i_ptr, row, num_chunks, C_PAD)
     elif state != 1:

@@ -45,6 +45,25 @@ def _is_topk(t, top_k, vocab, num_chunks, TK: tl.constexpr):
 
 
 @triton.jit
+def _top4(a0, a1, a2, a3, b0, b1, b2, b3):
+    """The four largest of two descending lists of four, descending: the pairwise maxima of one list
+    and the other reversed are those four (a bitonic sequence), sorted by a four-entry network."""
+    c0, c1, c2, c3 = tl.maximum(a0, b3), tl.maximum(a1, b2), tl.maximum(a2, b1), tl.maximum(a3, b0)
+    c0, c2 = tl.maximum(c0, c2), tl.minimum(c0, c2)
+    c1, c3 = tl.maximum(c1, c3), tl.minimum(c1, c3)
+    c0, c1 = tl.maximum(c0, c1), tl.minimum(c0, c1)
+    c2, c3 = tl.maximum(c2, c3), tl.minimum(c2, c3)
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _store_entry(values, ids, i, entry):
+    """A listed entry (key above INT_MAX - id) as its score and id."""
+    tl.store(values + i, _unkey((entry >> 32).to(tl.int32)))
+    tl.store(ids + i, (2**31 - 1 - (entry & (2**31 - 1))).to(tl.int32))
+
+
+@triton.jit
 def _scan_values(x_row, row_part, values, ids, bound, c, chunk, vocab, inv_t, BLOCK: tl.constexpr, TK: tl.constexpr):
     """The raw max and its lowest index (as for every row); the chunk's TK largest scores ``s`` with
     their ids, and the bound ``U`` of the scores not listed."""
@@ -69,17 +88,21 @@ def _scan_values(x_row, row_part, values, ids, bound, c, chunk, vocab, inv_t, BL
         win = tl.where(above, s, win)
     m, first = _max_and_first(best, arg)
     tl.store(row_part, m)
-    # One int64 per entry, the score's order-preserving key above INT_MAX - id: one max a step gives
-    # the largest score and, among equal ones, the lowest id (ids are distinct per position).
+    # One int64 per entry, the score's order-preserving key above INT_MAX - id (larger: a larger score
+    # or, among equal ones, a lower id; distinct per entry), and four entries a block-wide reduction.
     k_win = (_key(win).to(tl.int64) << 32) | (2**31 - 1 - win_id.to(tl.int64))
     k_run = (_key(run).to(tl.int64) << 32) | (2**31 - 1 - run_id.to(tl.int64))
-    for i in tl.static_range(TK):
-        top = tl.max(k_win, 0)
-        tl.store(values + i, _unkey((top >> 32).to(tl.int32)))
-        tl.store(ids + i, (2**31 - 1 - (top & (2**31 - 1))).to(tl.int32))
-        hit = k_win == top                            # its runner-up moves up; what is below it stays bounded
-        k_win = tl.where(hit, k_run, k_win)
-        k_run = tl.where(hit, K_NEG_INF, k_run)
+    none = tl.full([BLOCK], K_NEG_INF, tl.int64)
+    for i in tl.static_range(0, TK, 4):
+        t0, t1, t2, t3 = tl.reduce((k_win, k_run, none, none), 0, _top4)
+        _store_entry(values, ids, i, t0)
+        _store_entry(values, ids, i + 1, t1)
+        _store_entry(values, ids, i + 2, t2)
+        _store_entry(values, ids, i + 3, t3)
+        hit_win = (k_win == t0) | (k_win == t1) | (k_win == t2) | (k_win == t3)
+        hit_run = (k_run == t0) | (k_run == t1) | (k_run == t2) | (k_run == t3)
+        k_win = tl.where(hit_win, tl.where(hit_run, K_NEG_INF, k_run), k_win)   # the runner-up moves up;
+        k_run = tl.where(hit_win | hit_run, K_NEG_INF, k_run)                      # what is below stays bounded
     left = _unkey((tl.max(k_win, 0) >> 32).to(tl.int32))
     tl.store(bound, tl.maximum(left, tl.max(third, 0)))
     return first
