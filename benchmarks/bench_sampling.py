@@ -11,8 +11,7 @@ sampler does). Settings: greedy, temperature 1 alone, top-p 0.9 and 0.5, top-k 5
 Logits: "peaked" (bf16-rounded, a Gaussian bulk of std 2.5 and 20 dominant tokens, like a
 language model's) and "flat" (std-1 Gaussian: top-p keeps most of the vocabulary, the hard case).
 ``--zones`` prints how many undecided tokens reach the select pass, ``--passes`` times each kernel
-launch alone at batch 32, ``--sweep`` the row passes' block size and programs per row,
-``--sweep-topk`` the scores a chunk lists for top-k rows (``top_values``) at batch 1, 32 and 64.
+launch alone at batch 32, ``--sweep`` the row passes' block size and programs per row.
 """
 from __future__ import annotations
 
@@ -82,10 +81,8 @@ def print_zones(gen: torch.Generator, batch: int = 64) -> None:
             n = ws["part_i"][..., 2].sum(-1).float().cpu() if setting[0] > 0 else torch.zeros(batch)
             state = ws["zones"][:, 8].cpu()
             print(f"zones {kind:7s} {name:22s} undecided median {n.median():7.0f} max {n.max():7.0f} "
-                  f"rows over {kernel.CAND_BLOCK}: {int((n > kernel.CAND_BLOCK).sum())}/{batch}; rows decided "
-                  f"in level 1 {int((state == 1).sum())}, top-k rows decided from the lists {int((state == 4).sum())}, "
-                  f"re-read {int((state == 3).sum())}, "
-                  f"fallen back {int((state == 2).sum())}")
+                  f"rows over {kernel.CAND_BLOCK}: {int((n > kernel.CAND_BLOCK).sum())}/{batch}; chain rows "
+                  f"decided {int((state == 1).sum())}, fallen back {int((state == 2).sum())}")
 
 
 def print_passes(gen: torch.Generator, batch: int = 32) -> None:
@@ -146,40 +143,6 @@ def print_sweep(gen: torch.Generator) -> list[dict]:
     return rows
 
 
-def print_sweep_topk(gen: torch.Generator) -> list[dict]:
-    """Top-k 50 + top-p 0.95 with 8, 16 or 32 scores listed a chunk (``top_values``), at the default
-    launch shape and at 4 and 8 programs an SM from 32 rows; how many rows the lists decide."""
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    rows = []
-    for kind in ("peaked", "flat"):
-        for batch in BATCHES:
-            inputs = [make_logits(kind, batch, gen) for _ in range(COPIES)]
-            ps = params(batch, SETTINGS["top_k=50,top_p=0.95"])
-            for per_sm in ((None,) if batch < 32 else (None, 4, 8)):
-                chunks = None if per_sm is None else max(1, min(-(-VOCAB // 1024), -(-per_sm * sms // batch)))
-                shape = {} if per_sm is None else dict(block=1024, num_chunks=chunks)
-                for tv in (8, 16, 32):
-                    us = time_calls(lambda x: kernel.launch(x, *ps, top_values=tv, **shape), inputs)
-                    ws: dict = {}
-                    kernel.launch(inputs[0], *ps, top_values=tv, workspace=ws, **shape)
-                    decided = int((ws["zones"][:, 8] == 4).sum())
-                    rows.append({"logits": kind, "batch": batch, "programs_per_sm": per_sm, "num_chunks": chunks,
-                                 "top_values": tv, "sample_us": us, "decided": decided})
-                    print(f"sweep-topk {kind:7s} batch {batch:3d} {'default' if per_sm is None else f'{per_sm}/SM':8s} "
-                          f"top_values {tv:3d} {us:8.1f} us, decided from the lists {decided}/{batch}", flush=True)
-            if batch == 64:                          # the top-p rows at the same two shapes
-                for name in ("top_p=0.9", "top_p=0.5"):
-                    ps = params(batch, SETTINGS[name])
-                    for per_sm in (4, 8):
-                        chunks = max(1, min(-(-VOCAB // 1024), -(-per_sm * sms // batch)))
-                        us = time_calls(lambda x: kernel.launch(x, *ps, block=1024, num_chunks=chunks), inputs)
-                        rows.append({"logits": kind, "setting": name, "batch": batch, "programs_per_sm": per_sm,
-                                     "num_chunks": chunks, "sample_us": us})
-                        print(f"sweep-topk {kind:7s} batch {batch:3d} {per_sm}/SM      {name:22s} {us:8.1f} us", flush=True)
-            del inputs
-    return rows
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None, help="write the rows as JSON here")
@@ -187,7 +150,6 @@ def main() -> None:
     p.add_argument("--zones", action="store_true", help="also print how many tokens the select pass decides")
     p.add_argument("--passes", action="store_true", help="also time each kernel pass at batch 32")
     p.add_argument("--sweep", action="store_true", help="also sweep the row passes' block and programs per row")
-    p.add_argument("--sweep-topk", action="store_true", help="also sweep the scores top-k rows list a chunk")
     args = p.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     if args.zones:
@@ -195,7 +157,6 @@ def main() -> None:
     if args.passes:
         print_passes(gen)
     sweep = print_sweep(gen) if args.sweep else []
-    sweep += print_sweep_topk(gen) if args.sweep_topk else []
     rows = []
     print(f"{'logits':7s} {'setting':22s} {'batch':>5s} {'sample us':>10s} {'reference us':>13s} {'argmax us':>10s}")
     for kind in ("peaked", "flat"):

@@ -194,14 +194,14 @@ engine)
     run sampling 90 python3 benchmarks/bench_sampling.py --out "$OUT/sampling.json"
     run mask 60 python3 benchmarks/bench_mask.py --out "$OUT/mask.json"
     ;;
-sampling-ab)  # the sampling kernel of .base/ and of this tree back to back: its GPU tests, the table, then this
-    # tree's passes, zones and the scores top-k rows list a chunk (bench_sampling.py --sweep-topk)
+sampling-ab)  # the sampling kernel of .base/ and of this tree back to back (the same flags, so the same logits),
+    # after its GPU tests; then this tree's passes and undecided zones
     run sampling_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_sampling.py
     (cd .base && PYTHONPATH=. run sampling_old 120 python3 ../benchmarks/bench_sampling.py --skip-reference \
         --out "$OUT/sampling_old.json")
     run sampling_new 120 python3 benchmarks/bench_sampling.py --skip-reference --out "$OUT/sampling_new.json"
-    run sampling_sweep 240 python3 benchmarks/bench_sampling.py --skip-reference --zones --passes --sweep-topk \
-        --out "$OUT/sampling_sweep.json"
+    run sampling_passes 120 python3 benchmarks/bench_sampling.py --skip-reference --zones --passes \
+        --out "$OUT/sampling_passes.json"
     ;;
 sampling)  # the sampling kernel alone: undecided tokens per row, each pass at batch 32, the table (no sort reference)
     run sampling_passes 150 python3 benchmarks/bench_sampling.py --skip-reference --zones --passes --sweep \

@@ -7,19 +7,15 @@ Philox4x32-10 noise keyed on the seed, counter ``(v >> 2, offset lo, offset hi, 
 
 Algorithm: rows are split into C chunks; passes of (R, C) programs, then one of R programs. Rows
 with top-p alone or no filter ("chain rows") are decided in the first two (``sampling_chain``);
-rows with a top-k up to TOP_VALUES x C ("top-k rows", with or without top-p and min-p) have their
-candidates listed by the scan (or, when those lists may miss one, by a re-read in level 1) for
-pass 5 (``sampling_topk``); the other filtered rows (min-p, a larger top-k) and rows of either kind
-that fall back take the histogram path.
+rows with a top-k up to TOP_VALUES x C ("top-k rows", with or without top-p and min-p) list their
+candidates in the first two for pass 5 (``sampling_topk``); the other filtered rows (min-p, a
+larger top-k) and rows of either kind that fall back take the histogram path.
 1. ``_scan_kernel``: per chunk, the max and lowest argmax of the raw logits (NaN as -inf). The greedy
    answer, and ``s_max = max * (1 / T)`` (the scaling is monotone). Chain rows also list the chunk's
-   best Gumbel scores and a bound of the rest; top-k rows the chunk's TOP_VALUES largest scores with
-   their ids and a bound of the rest.
+   best Gumbel scores and a bound of the rest; top-k rows a few of the chunk's largest values.
 2. ``_hist_kernel`` level 1. Chain rows: Z and the masses above the chain's first links; the row's
    last program decides the token or sends the row to the histogram path (from launch 3). Top-k
-   rows: complete when the scan's lists hold every token down to the k-th largest (then only
-   marked); otherwise the ids of the tokens at or above the k-th largest listed value, as pass 5's
-   list.
+   rows: the ids of the tokens at or above the k-th largest listed value, as pass 5's list.
    Rows on the histogram path: each token's ``d = s_max - s`` falls
    in bucket ``floor(d * BPN)`` of 1/BPN nat (the last also takes d >= (NB - 1) / BPN, -inf and
    lanes past V): a count histogram per row (``tl.histogram``, one atomic add per program) and
@@ -35,8 +31,7 @@ that fall back take the histogram path.
    takes the Gumbel winner among its
    min-p survivors (noise only for blocks that hold one), and writes the ids of the undecided tokens
    (``b_hi <= pos <= b_lo``) to the chunk's segment of ``cand``.
-5. ``_select_kernel``: the chain's token where it decided; a complete top-k row's thresholds and
-   winner over the scan's lists, in registers; otherwise exact ``v_k`` and ``v_p`` over
+5. ``_select_kernel``: the chain's token where it decided; otherwise exact ``v_k`` and ``v_p`` over
    the undecided (or top-k-listed) tokens by a search on the
    order-preserving int32 key of s (counts, then masses, on top of the surely-kept zone's), the
    winner among the kept ones against the surely-kept winner; greedy rows take pass 1's argmax.
@@ -75,7 +70,7 @@ import triton.language as tl
 from .. import env
 from . import compile_ahead, pdl
 from .sampling_chain import CHAIN, LIST_TOP, STATE, _check_chain, _is_chain, _scan_chain
-from .sampling_topk import COMPLETE, LISTED, TOP_VALUES, _is_topk, _list_topk, _scan_values
+from .sampling_topk import LISTED, TOP_VALUES, _is_topk, _list_topk, _scan_values
 from .sampling_common import (BLOCK, BUCKETS_PER_NAT, CAND_BLOCK, CAND_SMALL, INT_MAX, LIST_BLOCK, NEG_INF,
                               NUM_BUCKETS, REFINE_ABOVE, REFINE_BUCKETS, ZONES_W, _bucket, _max_and_first, _min_p_bucket,
                               _noise_block, _position, _raw, _row_max, _row_sum, _scaled, _track_max, _zones)
@@ -87,7 +82,7 @@ from .._compat import custom_op
 @triton.jit
 def _scan_kernel(
         logits_ptr, temp_ptr, top_k_ptr, min_p_ptr, seed_ptr, offset_ptr,             # pointers
-        part_f_ptr, part_i_ptr, hist_ptr, zones_ptr, list_f_ptr, list_i_ptr, values_ptr, value_ids_ptr, bounds_ptr,
+        part_f_ptr, part_i_ptr, hist_ptr, zones_ptr, list_f_ptr, list_i_ptr, values_ptr,
         vocab, chunk, num_chunks,                                                     # sizes
         stride_l,                                                                     # strides
         NB: tl.constexpr, BLOCK: tl.constexpr, T: tl.constexpr, TK: tl.constexpr, FAST: tl.constexpr,
@@ -103,8 +98,8 @@ def _scan_kernel(
     t = tl.load(temp_ptr + row)
     top_k = tl.load(top_k_ptr + row)
     if _is_topk(t, top_k, vocab, num_chunks, TK):
-        first = _scan_values(x_row, part_f_ptr + slot * 4, values_ptr + slot * TK, value_ids_ptr + slot * TK,
-                             bounds_ptr + slot, c, chunk, vocab, tl.math.div_rn(1.0, t), BLOCK, TK)
+        first = _scan_values(x_row, part_f_ptr + slot * 4, values_ptr + slot * TK, c, chunk, vocab,
+                             tl.math.div_rn(1.0, t), BLOCK, TK)
     elif _is_chain(t, top_k, tl.load(min_p_ptr + row), vocab):
         first = _scan_chain(x_row, part_f_ptr + slot * 4, list_f_ptr + slot * (2 * T + 1), list_i_ptr + slot * T,
                             c, chunk, vocab, tl.math.div_rn(1.0, t), tl.load(seed_ptr + row),
@@ -155,7 +150,7 @@ def _level_zones(hist_row, zrow, part_f_ptr, row, num_chunks, top_k, top_p, min_
 @triton.jit
 def _hist_kernel(
         logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, part_f_ptr, hist_ptr, zones_ptr,  # pointers
-        list_f_ptr, list_i_ptr, chain_f_ptr, values_ptr, bounds_ptr, part_i_ptr, cand_ptr,
+        list_f_ptr, list_i_ptr, chain_f_ptr, values_ptr, part_i_ptr, cand_ptr,
         vocab, chunk, num_chunks, refine_above, cand_block,                                      # sizes
         stride_l,                                                                                # strides
         NB: tl.constexpr, BPN: tl.constexpr, BLOCK: tl.constexpr, C_PAD: tl.constexpr, LEVEL: tl.constexpr,
@@ -189,8 +184,8 @@ def _hist_kernel(
                 _check_chain(x_row, chain_f_ptr, list_f_ptr, list_i_ptr, zrow, s_max, row, c, chunk, num_chunks,
                              vocab, inv_t, top_p, BLOCK, J, T, C_PAD)
             if topk & (s_max > NEG_INF):
-                _list_topk(x_row, values_ptr, bounds_ptr, part_f_ptr, part_i_ptr, cand_ptr, zrow, row, c, chunk,
-                           num_chunks, vocab, inv_t, top_k, cand_block, BLOCK, TK, C_PAD)
+                _list_topk(x_row, values_ptr, part_f_ptr, part_i_ptr, cand_ptr, zrow, row, c, chunk, num_chunks,
+                           vocab, inv_t, top_k, cand_block, BLOCK, TK, C_PAD)
             go = go & ~chain & ~topk
         else:                                        # rows whose level-1 zone was too wide, and chain
             first = chain | topk                     # or top-k rows that fell back (their level 1 runs here)
@@ -239,7 +234,7 @@ def _compact_kernel(
     zrow = zones_ptr + row * ZONES_W
     s_max = tl.full([], NEG_INF, tl.float32)
     state = tl.load(zrow + STATE)
-    if (t > 0) & (state != 1) & (state != LISTED) & (state != COMPLETE):    # not decided, nor listed for top-k
+    if (t > 0) & (state != 1) & (state != LISTED):     # not decided by the chain, nor listed for top-k
         s_max = _row_max(part_f_ptr, row, num_chunks, C_PAD) * inv_t
     if s_max > NEG_INF:
         min_p, seed, offset = tl.load(min_p_ptr + row), tl.load(seed_ptr + row), tl.load(offset_ptr + row)
@@ -312,12 +307,11 @@ def _launch_shape(rows: int, device: torch.device) -> tuple[int, int]:
 def launch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
            min_p: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor, *, block: int | None = None,
            num_chunks: int | None = None, cand_block: int = CAND_BLOCK, refine_above: int = REFINE_ABOVE,
-           list_top: int = LIST_TOP, chain: int = CHAIN, top_values: int = TOP_VALUES,
-           workspace: dict | None = None) -> torch.Tensor:
-    """Launch the passes; ``block``, ``num_chunks``, ``cand_block``, ``refine_above``, ``list_top``,
-    ``chain`` (1, 2 or 4) and ``top_values`` (a power of two from 4) are tuning knobs (tests shrink
-    them to reach every path on small vocabularies; None: ``_launch_shape``); a ``workspace`` dict
-    receives the intermediate tensors (``zones``: see ``_level_zones`` and ``sampling_chain``).
+           list_top: int = LIST_TOP, chain: int = CHAIN, workspace: dict | None = None) -> torch.Tensor:
+    """Launch the passes; ``block``, ``num_chunks``, ``cand_block``, ``refine_above``, ``list_top``
+    and ``chain`` (1, 2 or 4) are tuning knobs (tests shrink them to reach every path on small
+    vocabularies; None: ``_launch_shape``); a ``workspace`` dict receives the intermediate tensors
+    (``zones``: see ``_level_zones`` and ``sampling_chain``).
     Capture-safe: the launch shape depends on the row count only."""
     rows, vocab = logits.shape
     out = compile_ahead.output(rows, torch.int64, logits.device)
@@ -343,30 +337,28 @@ def launch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     list_f = torch.empty(rows, c, 2 * list_top + 1, dtype=torch.float32, device=dev)  # scores, values, bound
     list_i = torch.empty(rows, c, list_top, dtype=torch.int32, device=dev)            # the listed ids
     chain_f = torch.empty(rows, c, 5, dtype=torch.float32, device=dev)   # masses above links 0 .. 3, Z
-    values = torch.empty(rows, c, top_values, dtype=torch.float32, device=dev)   # top-k rows' listed scores,
-    value_ids = torch.empty(rows, c, top_values, dtype=torch.int32, device=dev)  # their ids,
-    bounds = torch.empty(rows, c, dtype=torch.float32, device=dev)               # the bound of the rest
+    values = torch.empty(rows, c, TOP_VALUES, dtype=torch.float32, device=dev)   # top-k rows' listed values
     if workspace is not None:
         workspace.update(part_f=part_f, part_i=part_i, hist=hist, zones=zones, cand=cand, list_f=list_f,
-                         list_i=list_i, chain_f=chain_f, values=values, value_ids=value_ids, bounds=bounds)
+                         list_i=list_i, chain_f=chain_f, values=values)
     # No FMA contraction: s = x * (1 / T) and s - s_max round exactly as in PyTorch.
     meta = dict(NB=NUM_BUCKETS, BLOCK=block, enable_fp_fusion=False, **pdl.options(logits))
     warps = 8 if block >= 2048 else 4
     _scan_kernel[(rows, c)](logits, temperature, top_k, min_p, seeds, offsets, part_f, part_i, hist, zones, list_f,
-                            list_i, values, value_ids, bounds, vocab, chunk, c, logits.stride(0), T=list_top,
-                            TK=top_values, FAST=not INTERPRET, num_warps=warps, **meta)
+                            list_i, values, vocab, chunk, c, logits.stride(0), T=list_top, TK=TOP_VALUES,
+                            FAST=not INTERPRET, num_warps=warps, **meta)
     meta.update(BPN=BUCKETS_PER_NAT, C_PAD=c_pad)
     params = (temperature, top_k, top_p, min_p, seeds, offsets)
     for level in (1, 2):
         _hist_kernel[(rows, c)](logits, temperature, top_k, top_p, min_p, part_f, hist, zones, list_f, list_i,
-                                chain_f, values, bounds, part_i, cand, vocab, chunk, c, refine_above, cand_block,
-                                logits.stride(0), LEVEL=level, T=list_top, J=chain, TK=top_values, num_warps=warps,
+                                chain_f, values, part_i, cand, vocab, chunk, c, refine_above, cand_block,
+                                logits.stride(0), LEVEL=level, T=list_top, J=chain, TK=TOP_VALUES, num_warps=warps,
                                 **meta)
     _compact_kernel[(rows, c)](logits, *params, part_f, part_i, zones, cand, vocab, chunk, c, chunk,
                                logits.stride(0), num_warps=warps, **meta)
-    _select_kernel[(rows,)](logits, *params, part_f, part_i, zones, cand, scratch, values, value_ids, bounds, out,
-                            vocab, c, chunk, logits.stride(0), CB=cand_block,
-                            CB_SMALL=max(16, min(CAND_SMALL, cand_block // 4)), RB=REFINE_BUCKETS, LB=LIST_BLOCK, C_BITS=c_pad.bit_length() - 1, TK=top_values,
+    _select_kernel[(rows,)](logits, *params, part_f, part_i, zones, cand, scratch, out, vocab, c, chunk,
+                            logits.stride(0), CB=cand_block, CB_SMALL=max(16, min(CAND_SMALL, cand_block // 4)),
+                            RB=REFINE_BUCKETS, LB=LIST_BLOCK, C_BITS=c_pad.bit_length() - 1,
                             num_warps=16 if cand_block >= 4096 else 4, **meta)
     return out
 

@@ -7,7 +7,6 @@ import triton.language as tl
 
 from . import compile_ahead, pdl
 from .sampling_chain import STATE, TOKEN
-from .sampling_topk import COMPLETE
 from .sampling_common import (INT_MAX, NEG_INF, THRESHOLDS, ZONES_W, _key, _noise_at, _position, _row_max, _row_sum,
                               _scaled, _unkey)
 
@@ -88,25 +87,19 @@ def _list_ids(ends_ptr, cand_ptr, row, num_chunks, seg_cap, start, N: tl.constex
 
 
 @triton.jit
-def _values_search(s, ok, s_max, floor_v, base, target, BY_MASS: tl.constexpr, P: tl.constexpr):
-    """Exact threshold over the scores ``s[ok]`` held in registers (-inf: all pass), and their mass
-    at or above it: the largest ``v`` with ``base + stat(s >= max(v, floor_v)) >= target``."""
+def _register_search(cid, ok, x_row, vocab, inv_t, s_max, floor_v, base, target, BY_MASS: tl.constexpr,
+                     P: tl.constexpr):
+    """Exact threshold over the tokens ``cid[ok]`` held in registers (-inf: all pass), and their
+    mass at or above it."""
+    s = _scaled(x_row, tl.where(ok, cid, vocab), vocab, inv_t)
     e = tl.exp(s - s_max)
     sv = tl.where(ok, s, NEG_INF)
     keys = _key(s)
     lo = tl.min(tl.where(ok, keys, INT_MAX), 0).to(tl.int64) - 1
     hi = tl.max(tl.where(ok, keys, -INT_MAX), 0).to(tl.int64) + 1
-    kk = _search(lo, hi, floor_v, base, target, sv, e, s_max, 1, 1.0, s_max, s_max, BY_MASS, False, 1, 1, 1, P)
+    kk = _search(lo, hi, floor_v, base, target, sv, e, x_row, vocab, inv_t, s_max, x_row, BY_MASS, False, 1, 1, 1, P)
     v = tl.where(kk > lo, _unkey(kk.to(tl.int32)), NEG_INF)
     return v, tl.sum(tl.where(sv >= tl.maximum(v, floor_v), e, 0.0), 0)
-
-
-@triton.jit
-def _register_search(cid, ok, x_row, vocab, inv_t, s_max, floor_v, base, target, BY_MASS: tl.constexpr,
-                     P: tl.constexpr):
-    """:func:`_values_search` over the tokens ``cid[ok]``, their scores read from the row."""
-    s = _scaled(x_row, tl.where(ok, cid, vocab), vocab, inv_t)
-    return _values_search(s, ok, s_max, floor_v, base, target, BY_MASS, P)
 
 
 @triton.jit
@@ -224,69 +217,26 @@ def _direct_thresholds(x_row, ends_ptr, cand_ptr, row, num_chunks, seg_cap, voca
     return v_k, v_p
 
 
-@triton.jit
-def _decide_topk(values_ptr, ids_ptr, bounds_ptr, part_f_ptr, zrow, row, num_chunks, inv_t, top_k, top_p, min_p,
-                 seed, offset, TK: tl.constexpr, C_PAD: tl.constexpr):
-    """The select pass's work for a complete row: v_k, Z_k, v_p and the Gumbel winner over its listed
-    scores (every token at or above v_k among them), in registers; -1 if nothing is kept (not
-    reached while the row's max is finite: the caller keeps the greedy token then)."""
-    e = tl.arange(0, C_PAD * TK)
-    vals = tl.load(values_ptr + row * num_chunks * TK + e, mask=e < num_chunks * TK, other=NEG_INF)
-    ids = tl.load(ids_ptr + row * num_chunks * TK + e, mask=e < num_chunks * TK, other=0)
-    cs = tl.arange(0, C_PAD)
-    s_max = tl.max(tl.load(part_f_ptr + (row * num_chunks + cs) * 4, mask=cs < num_chunks, other=NEG_INF), 0) * inv_t
-    # v_k lies above every chunk's bound (the row is complete): the searches need only the entries
-    # above it, a narrower key range (fewer steps of a wider search)
-    ok = vals > tl.max(tl.load(bounds_ptr + row * num_chunks + cs, mask=cs < num_chunks, other=NEG_INF), 0)
-    v_k, z = _values_search(vals, ok, s_max, NEG_INF, 0, top_k, False, 16)
-    v_p = tl.full([], NEG_INF, tl.float32)
-    if top_p < 1.0:
-        v_p, _ = _values_search(vals, ok, s_max, v_k, 0.0, top_p * z, True, 16)
-    keep = ok & (vals >= v_k) & (vals >= v_p) & (tl.exp(vals - s_max) >= min_p)
-    score = tl.where(keep, vals + _noise_at(tl.where(ok, ids, 0), seed, offset), NEG_INF)
-    best = tl.max(score, 0)
-    tl.store(zrow + THRESHOLDS, v_k.to(tl.int32, bitcast=True))       # for tests and inspection
-    tl.store(zrow + THRESHOLDS + 1, v_p.to(tl.int32, bitcast=True))
-    return tl.where(best > NEG_INF, tl.min(tl.where(keep & (score == best), ids, INT_MAX), 0), -1)
-
-
 @compile_ahead.kernel
 @triton.jit
 def _select_kernel(
         logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, offset_ptr,   # pointers
-        part_f_ptr, part_i_ptr, zones_ptr, cand_ptr, scratch_ptr, values_ptr, value_ids_ptr, bounds_ptr, out_ptr,
+        part_f_ptr, part_i_ptr, zones_ptr, cand_ptr, scratch_ptr, out_ptr,
         vocab, num_chunks, seg_cap,                                                    # sizes
         stride_l,                                                                      # strides
         NB: tl.constexpr, BPN: tl.constexpr, BLOCK: tl.constexpr, C_PAD: tl.constexpr,
         CB: tl.constexpr, CB_SMALL: tl.constexpr, RB: tl.constexpr, LB: tl.constexpr, C_BITS: tl.constexpr,
-        TK: tl.constexpr, USE_PDL: tl.constexpr):
+        USE_PDL: tl.constexpr):
     pdl.wait(USE_PDL)
     pdl.start_dependents(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     zrow = zones_ptr + row * ZONES_W
     token = tl.load(zrow + TOKEN)                                  # the chain's, if it decided the row
-    state = tl.load(zrow + STATE)
-    if state == COMPLETE:                                          # a top-k row its chunks' lists hold
-        t = tl.load(temp_ptr + row)
-        token = _decide_topk(values_ptr, value_ids_ptr, bounds_ptr, part_f_ptr, zrow, row, num_chunks,
-                             tl.math.div_rn(1.0, t), tl.load(top_k_ptr + row), tl.load(top_p_ptr + row),
-                             tl.load(min_p_ptr + row), tl.load(seed_ptr + row), tl.load(offset_ptr + row), TK, C_PAD)
-        if token < 0:
-            token = _greedy(part_f_ptr, part_i_ptr, row, num_chunks, C_PAD)
-    elif state != 1:
+    if tl.load(zrow + STATE) != 1:
         token = _unchained(logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, offset_ptr, part_f_ptr,
                            part_i_ptr, cand_ptr, scratch_ptr, zrow, row, vocab, num_chunks, seg_cap, stride_l,
                            NB, BPN, BLOCK, C_PAD, CB, CB_SMALL, RB, LB, C_BITS)
     tl.store(out_ptr + row, token.to(tl.int64))
-
-
-@triton.jit
-def _greedy(part_f_ptr, part_i_ptr, row, num_chunks, C_PAD: tl.constexpr):
-    """The row's lowest argmax, from the scan pass's chunks."""
-    cs = tl.arange(0, C_PAD)
-    maxes = tl.load(part_f_ptr + (row * num_chunks + cs) * 4, mask=cs < num_chunks, other=NEG_INF)
-    args = tl.load(part_i_ptr + (row * num_chunks + cs) * 3, mask=cs < num_chunks, other=INT_MAX)
-    return tl.min(tl.where(maxes == tl.max(maxes, 0), args, INT_MAX), 0)
 
 
 @triton.jit
@@ -297,7 +247,9 @@ def _unchained(logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, 
     """The token of a row the chain did not decide: greedy, or the winner over its exact thresholds."""
     cs = tl.arange(0, C_PAD)
     x_max = _row_max(part_f_ptr, row, num_chunks, C_PAD)
-    token = _greedy(part_f_ptr, part_i_ptr, row, num_chunks, C_PAD)
+    args = tl.load(part_i_ptr + (row * num_chunks + cs) * 3, mask=cs < num_chunks, other=INT_MAX)
+    maxes = tl.load(part_f_ptr + (row * num_chunks + cs) * 4, mask=cs < num_chunks, other=NEG_INF)
+    token = tl.min(tl.where(maxes == x_max, args, INT_MAX), 0)                 # greedy: lowest argmax
     t = tl.load(temp_ptr + row)
     inv_t = tl.math.div_rn(1.0, tl.where(t > 0, t, 1.0))
     s_max = x_max * inv_t
