@@ -110,7 +110,7 @@ def test_hf_peer_prefills_in_chunks_then_decodes_under_one_compiled_graph():
 
 
 def test_hf_peer_refuses_what_llama_cannot_express(monkeypatch, capsys):
-    from fullgraph.bench import _peer_rows
+    from fullgraph.bench import DECODE_COLUMNS, _peer_rows
 
     phi3 = fg.models.Phi3Small(fg.models.Phi3SmallConfig.toy(), seed=0)
     with pytest.raises(ValueError, match="no transformers peer for Phi3Small"):
@@ -123,6 +123,11 @@ def test_hf_peer_refuses_what_llama_cannot_express(monkeypatch, capsys):
     args = argparse.Namespace(steps=2, warmup=1, preset="phi3-toy")
     assert _peer_rows(args, phi3, 1, 1.0, 4, 1, {}) == []
     assert "peer hf-static-compile skipped: no transformers peer for Phi3Small" in capsys.readouterr().out
+    monkeypatch.setattr(peers, "time_peer", lambda *a, **k: {"step_ms": 1.5, "replay_ms": 1.4})
+    like = {"preset": "phi3-toy", "batch": 1, "context": 4, "dtype": "float32", "weight_bytes": 1, "copy_TBps": 1.0,
+            "tensor_parallel": 1}
+    (row,) = _peer_rows(args, phi3, 1, 1.0, 4, 1, like)
+    assert set(DECODE_COLUMNS) <= set(row), "a peer row has every column the decode table prints"
     monkeypatch.setitem(sys.modules, "transformers", None)   # not installed
     with pytest.raises(NoPeer, match="needs transformers"):
         hf_llama(fg.models.Llama(fg.models.LlamaConfig.toy(), seed=0))

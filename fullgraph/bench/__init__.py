@@ -159,8 +159,7 @@ def bench_decode(args) -> list[dict]:
                           f"{row['step_ms']:.3f} ms", flush=True)
             if getattr(args, "peers", False) and device.type == "cuda":
                 rows += _peer_rows(args, model, w_bytes, bandwidth, context, batch, rows[-1])
-    _table(rows, ["preset", "batch", "context", "mode", "tensor_parallel", "attention", "loop", "step_ms", "replay1_ms", "replay_ms",
-                  "launch_ms", "p90_ms", "floor_ms", "kv_MB", "kv_dense_MB", "compile_s"])
+    _table(rows, DECODE_COLUMNS)
     eager = {(r["context"], r["batch"]): r["step_ms"] for r in rows if r["mode"] == "none" and r["loop"] == "sync"}
     for r in rows:
         if r["mode"] == "full" and r["loop"] == "sync":
@@ -223,6 +222,10 @@ def kv_bytes(model, kv_caches, batch: int, context: int) -> tuple[int, int]:
     return read, dense
 
 
+DECODE_COLUMNS = ["preset", "batch", "context", "mode", "tensor_parallel", "attention", "loop", "step_ms", "replay1_ms",
+                  "replay_ms", "launch_ms", "p90_ms", "floor_ms", "kv_MB", "kv_dense_MB", "compile_s"]
+
+
 def _peer_rows(args, model, w_bytes, bandwidth, context, batch, like: dict) -> list[dict]:
     """The naive whole-model graph, reduce-overhead and transformers static-cache peers at this
     shape (``bench.peers``); a peer that cannot serve this model prints why and makes no row."""
@@ -240,7 +243,8 @@ def _peer_rows(args, model, w_bytes, bandwidth, context, batch, like: dict) -> l
             continue
         size = next(model.parameters()).element_size()
         dense = batch * context * sum(2 * l.num_kv_heads * l.head_dim * size for l in model.attention_layers())
-        rows.append({**{k: like[k] for k in ("preset", "batch", "context", "dtype", "weight_bytes", "copy_TBps")},
+        rows.append({**{k: like[k] for k in ("preset", "batch", "context", "dtype", "weight_bytes", "copy_TBps",
+                                             "tensor_parallel")},
                      "mode": kind, "attention": "hf-sdpa" if kind == "hf-static-compile" else "naive",
                      "compile": kind != "naive-graph", "loop": "sync",
                      "step_ms": t["step_ms"], "replay_ms": t["replay_ms"], "replay1_ms": float("nan"),
