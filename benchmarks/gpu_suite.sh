@@ -17,6 +17,7 @@
 #   skinny (the split-K linear's GPU tests; decode at 2-64 rows by default, with cuBLAS and with the split-K kernel)
 #   skinny-big (default and cuBLAS for Llama-8B and Phi-3-Small; a profiled batch-32 step) skinny-sweep (its configurations against cuBLAS)
 #   attn-ab (decode attention now against unsplit with the earlier tiles and the earlier rule)
+#   layernorm-ab (Phi-3-Small with its LayerNorms applied on load, FULLGRAPH_FUSE=layer,rope,layernorm, and without)
 #   sweep-attention (decode attention's splits and launch configs)
 #   host-calls (the cost of one Python, numpy and CUDA call on the machine)
 # Logs and JSON land in $OUT (or ./out); each part has its own time limit so a call stays bounded.
@@ -193,6 +194,18 @@ engine)
     run engine_overhead 150 python3 benchmarks/engine_overhead.py --out "$OUT/engine_overhead.json"
     run sampling 90 python3 benchmarks/bench_sampling.py --out "$OUT/sampling.json"
     run mask 60 python3 benchmarks/bench_mask.py --out "$OUT/mask.json"
+    ;;
+layernorm-ab)  # Phi-3-Small's LayerNorms applied on load in one-row steps (FULLGRAPH_FUSE=...,layernorm) against
+    # the default (a LayerNorm kernel each), back to back; the kernels' GPU tests; the profile with it on
+    run layernorm_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_linear_kernel.py \
+        tests/test_linear_rope_kv.py -k "layer_norm or flash_rule"
+    for fuse in layer,rope layer,rope,layernorm; do
+        FULLGRAPH_FUSE=$fuse run "layernorm_phi3_${fuse//,/_}" 120 python3 -m fullgraph.bench decode \
+            --preset phi3-small-8k --batch 1 --context 2048 --modes full --steps 30 --loop sync overlap \
+            --out "$OUT/layernorm_phi3_${fuse//,/_}.json"
+    done
+    FULLGRAPH_FUSE=layer,rope,layernorm FULLGRAPH_PDL=0 run layernorm_profile 90 python3 benchmarks/profile_step.py \
+        --preset phi3-small-8k --batch 1 --context 2048 --out "$OUT/layernorm_profile.json"
     ;;
 sampling-ab)  # the sampling kernel of .base/ and of this tree back to back (the same flags, so the same logits),
     # after its GPU tests; then this tree's passes and undecided zones

@@ -29,7 +29,10 @@ variable                          effect                                        
                                   ``layer`` (RMSNorm on load, residual add in the
                                   epilogue), ``rope`` (RoPE + KV write in the QKV
                                   projection); in decode steps: ``reduce`` (the split-KV
-                                  merge in the attention launch; slower so far, opt-in)
+                                  merge in the attention launch; slower so far, opt-in);
+                                  in one-row steps: ``layernorm`` (a LayerNorm applied on
+                                  load, as ``layer`` applies an RMSNorm; not yet timed,
+                                  opt-in)
 ================================  ==================================================  ==================
 """
 from __future__ import annotations
@@ -43,7 +46,7 @@ PDL = "FULLGRAPH_PDL"
 COMPILE_WORKERS = "FULLGRAPH_COMPILE_WORKERS"
 LINEAR = "FULLGRAPH_LINEAR"
 FUSE = "FULLGRAPH_FUSE"
-FUSIONS = ("layer", "rope", "reduce")
+FUSIONS = ("layer", "rope", "reduce", "layernorm")
 DEFAULT_FUSIONS = "layer,rope"
 
 

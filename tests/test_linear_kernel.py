@@ -1,6 +1,6 @@
 """The weight-streaming linear kernel (``fullgraph::linear``) against float64 references:
-one row and several, ragged sizes, bias, the fused gated activations, the RMSNorm on load and the
-residual epilogue, weight tiles prefetched before the wait, the cuBLAS form it is measured
+one row and several, ragged sizes, bias, the fused gated activations, the RMSNorm (and, one row,
+the LayerNorm) on load and the residual epilogue, weight tiles prefetched before the wait, the cuBLAS form it is measured
 against, and the models' use of it."""
 from __future__ import annotations
 
@@ -67,6 +67,44 @@ def test_rms_norm_on_load_matches_reference(rows, prefetch, epilogue, bias):
     want = ref_linear(x, w, b, activation, 1.5, g, 1e-5, residual)
     assert got.shape == want.shape and got.dtype == x.dtype
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+@pytest.mark.parametrize("epilogue", ["none", "residual", "silu_and_mul", "gegelu"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("offset", [0.5, 40.0], ids=["centred", "far-off-centre"])
+def test_layer_norm_on_load_matches_reference(prefetch, epilogue, bias, offset):
+    """One row, a LayerNorm (weight and bias) applied on load: K of 97 over tiles of 32, 44 columns
+    over blocks of 8. A row whose mean (40) is far above its spread (3) is where plain float32
+    sums of x and x*x would cancel: the kernel sums x - x[0]."""
+    n, k = 44, 97
+    gen = torch.Generator().manual_seed(int(offset) + 3 * bias + prefetch)
+    x = (3 * torch.randn(1, k, generator=gen) + offset).to(DEVICE)
+    w = torch.randn(n, k, generator=gen).to(DEVICE)
+    b = torch.randn(n, generator=gen).to(DEVICE) if bias else None
+    g, nb = (1 + 0.3 * torch.randn(k, generator=gen)).to(DEVICE), (0.5 * torch.randn(k, generator=gen)).to(DEVICE)
+    residual = torch.randn(1, n, generator=gen).to(DEVICE) if epilogue == "residual" else None
+    activation = epilogue if epilogue != "residual" else "none"
+    got = launch(x, w, b, activation, 1.5, (8, 32, 4, prefetch), g, 1e-5, residual, nb)
+    xn = F.layer_norm(x.double(), (k,), g.double(), nb.double(), 1e-5)
+    want = ref_linear(xn, w, b, activation, 1.5, None, 1e-5, residual)
+    assert got.shape == want.shape and got.dtype == x.dtype
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+    if epilogue == "none":   # the op takes the one-row kernel too (its own launch configuration)
+        torch.testing.assert_close(linear(x, w, b, norm_weight=g, eps=1e-5, norm_bias=nb).double(), want,
+                                   rtol=1e-5, atol=1e-4)
+
+
+def test_layer_norm_on_load_is_refused_where_it_does_not_serve():
+    """A LayerNorm on load serves one row, with its weight: other calls are refused by name."""
+    k = 16
+    x, w, g, nb = torch.randn(2, k), torch.randn(8, k), torch.ones(k), torch.zeros(k)
+    with pytest.raises(ValueError, match="needs one row"):
+        launch(x, w, None, norm_weight=g, norm_bias=nb)
+    with pytest.raises(ValueError, match="needs one row"):
+        launch(x[:1], w, None, norm_bias=nb)
+    with pytest.raises(ValueError, match="needs one row"):
+        launch(x[:1], w, None, norm_weight=g, norm_bias=torch.zeros(k + 1))
 
 
 @pytest.mark.parametrize("epilogue", ["none", "residual", "silu_and_mul", "residual+bias"])
@@ -188,14 +226,38 @@ def test_bf16_model_shapes_flash_rule(n, k, activation, rows, fused):
                                rtol=0, atol=2 * base + 1e-3)  # the op: ours or cuBLAS, whichever it chose
 
 
-@pytest.mark.parametrize("fuse", ["", "layer,rope"], ids=["separate", "fused"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n,k", [(12288, 4096), (28672, 4096), (4096, 4096)])   # Phi-3-Small's QKV, gate_up, o
+@pytest.mark.parametrize("activation", ["none", "gegelu"])
+def test_bf16_layer_norm_on_load_flash_rule(n, k, activation):
+    """One bf16 row with a LayerNorm applied on load against float64, within twice the error of
+    PyTorch's bf16 pipeline (F.layer_norm, cuBLAS, the activation) (+ slack); the row's mean far
+    from zero, as a residual stream's can be."""
+    gen = torch.Generator(device="cuda").manual_seed(n + k)
+    x = (torch.randn(1, k, device="cuda", generator=gen) + 3.0).bfloat16()
+    w = (torch.randn(n, k, device="cuda", generator=gen) * k ** -0.5).bfloat16()
+    b = (0.02 * torch.randn(n, device="cuda", generator=gen)).bfloat16()
+    g = (1 + 0.2 * torch.randn(k, device="cuda", generator=gen)).bfloat16()
+    nb = (0.1 * torch.randn(k, device="cuda", generator=gen)).bfloat16()
+    want = ref_linear(F.layer_norm(x.double(), (k,), g.double(), nb.double(), 1e-5), w, b, activation, 20.0)
+    torch_bf16 = F.linear(F.layer_norm(x, (k,), g, nb, 1e-5), w, b)
+    if activation == "gegelu":
+        torch_bf16 = torch.ops.fullgraph.gegelu(torch_bf16, 20.0)
+    base = (torch_bf16.double() - want).abs().max().item()
+    got = linear(x, w, b, activation, 20.0, g, 1e-5, None, nb)
+    assert (got.double() - want).abs().max().item() <= 2 * base + 1e-3
+
+
+@pytest.mark.parametrize("fuse", ["", "layer,rope", "layer,rope,layernorm"], ids=["separate", "fused", "layernorm"])
 @pytest.mark.parametrize("rows", ["one", "all", "all-skinny"])
 @pytest.mark.parametrize("preset", ["llama", "phi3"])
 def test_models_on_the_kernel_path_match_the_separate_ops(monkeypatch, preset, rows, fuse):
     """Force the kernel path (the one every CUDA batch-1 step takes: projection and activation in
     one launch; with ``FULLGRAPH_FUSE=layer,rope`` also the RMSNorm on load, the residual add in the
-    epilogue, RoPE and the KV write in the QKV projection) on the CPU through the Triton
-    interpreter, for one-row steps or every step: the logits match the plain PyTorch path."""
+    epilogue, RoPE and the KV write in the QKV projection; with ``layernorm`` Phi-3-Small's
+    LayerNorms on load in one-row steps) on the CPU through the Triton interpreter, for one-row
+    steps or every step: the logits match the plain PyTorch path."""
     import fullgraph as fg
 
     make = {"llama": lambda: fg.models.Llama(fg.models.LlamaConfig.toy()),
@@ -220,9 +282,13 @@ def test_models_on_the_kernel_path_match_the_separate_ops(monkeypatch, preset, r
     monkeypatch.setattr(PreNormDecoderLayer, "fuses", lambda self, x: self.fuse and (rows == "all" or x.shape[0] == 1))
     real = fullgraph.kernels.linear_rope_kv_write
     monkeypatch.setattr(fullgraph.kernels, "linear_rope_kv_write", lambda x, *a: fused.append(x.shape[0]) or real(x, *a))
+    real_linear, on_load = fullgraph.kernels.linear, []    # rows of each call given a LayerNorm to apply on load
+    monkeypatch.setattr(fullgraph.kernels, "linear",
+                        lambda x, *a: (a[-1] is not None and on_load.append(x.shape[0])) or real_linear(x, *a))
     got = decode_logits()
     assert 1 in seen and max(seen) > 1          # both paths were taken (prefill rows > 1, decode one row)
     assert sorted(set(fused)) == ([] if not fuse else [1] if rows == "one" else [1, 4])
+    assert set(on_load) == ({1} if preset == "phi3" and "layernorm" in fuse else set()), "one-row steps only"
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 

@@ -115,6 +115,26 @@ def test_matches_float64_reference(layout, rows, bias, norm, prefetch):
     assert_cache(args["kv_cache"], before, want_cache, args["slot_mapping"])
 
 
+@pytest.mark.parametrize("prefetch", [1, 2])
+@pytest.mark.parametrize("layout", ["llama", "grouped"])
+def test_layer_norm_on_load_matches_float64_reference(layout, prefetch):
+    """One row with a LayerNorm (weight and bias) applied on load: q rotated, k and v written."""
+    args = inputs(1, layout, True, True, seed=90 + prefetch)
+    gen = torch.Generator().manual_seed(7 + prefetch)
+    nb = (0.5 * torch.randn(K, generator=gen)).to(DEVICE)
+    before = args["kv_cache"].clone()
+    q_out = launch(**args, config=(4, 32, 4, prefetch), norm_bias=nb)
+    ref = ref_args(args, before)
+    ref.update(x=F.layer_norm(args["x"].double(), (K,), args["norm_weight"].double(), nb.double(), args["eps"]),
+               g=None)
+    want_q, want_cache = reference(**ref)
+    torch.testing.assert_close(q_out.double(), want_q, rtol=1e-5, atol=1e-5)
+    assert_cache(args["kv_cache"], before, want_cache, args["slot_mapping"])
+    again = args["kv_cache"].clone()
+    args["kv_cache"] = again
+    torch.testing.assert_close(linear_rope_kv_write(**args, norm_bias=nb).double(), want_q, rtol=1e-5, atol=1e-5)
+
+
 def two_launches(args: dict, config: tuple[int, ...] | None) -> torch.Tensor:
     """``linear.launch`` then ``rope_kv_write`` on views of the (T, N) projection: what the fusion replaces."""
     y = linear_launch(args["x"], args["w"], args["b"], config=config, norm_weight=args["norm_weight"], eps=args["eps"])

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from . import compile_ahead, linear_choice, pdl
-from .linear import NO_LIMIT, launch_config, product
+from .linear import NO_LIMIT, launch_config, norm_kind, product
 from .linear import _check as _check_linear
 from .rope_kv_write import rope_kv_write
 from .._compat import custom_op
@@ -104,7 +104,7 @@ def rope_kv_epilogue(acc, pid, M, pos_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr
 @compile_ahead.kernel
 @triton.jit
 def _linear_rope_kv_kernel(
-    x_ptr, w_ptr, b_ptr, g_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, kv_ptr,
+    x_ptr, w_ptr, b_ptr, g_ptr, nb_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, kv_ptr,
     M, K, eps, num_slots, stride_xm, stride_kv, stride_cb, stride_cs, stride_ch,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, PAGE_SIZE: tl.constexpr,
     LAYOUT: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, PREFETCH: tl.constexpr,
@@ -112,7 +112,7 @@ def _linear_rope_kv_kernel(
 ):
     pid = tl.program_id(0)
     rn, pair_ok = pair_columns(pid, (NUM_HEADS + 2 * NUM_KV_HEADS) * HALF, HALF, BLOCK_N)
-    acc = product(x_ptr, w_ptr, b_ptr, g_ptr, x_ptr, M, K, eps, stride_xm, 0, rn, pair_ok,
+    acc = product(x_ptr, w_ptr, b_ptr, g_ptr, nb_ptr, x_ptr, M, K, eps, stride_xm, 0, rn, pair_ok,
                   HAS_BIAS, NORM, False, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL, PDL_LATE)   # waits (PDL) inside
     rope_kv_epilogue(acc, pid, M, pos_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, kv_ptr, num_slots,
                      stride_kv, stride_cb, stride_cs, stride_ch, NUM_HEADS, NUM_KV_HEADS, HALF, PAGE_SIZE, LAYOUT,
@@ -122,10 +122,11 @@ def _linear_rope_kv_kernel(
 def launch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
            kv_cache: torch.Tensor, slot_mapping: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
            sin: torch.Tensor, num_heads: int, num_kv_heads: int, layout: str,
-           config: tuple[int, ...] | None = None) -> torch.Tensor:
+           config: tuple[int, ...] | None = None, norm_bias: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton launch behind :func:`linear_rope_kv_write`; ``config`` (BLOCK_N, BLOCK_K,
     num_warps[, PREFETCH[, num_stages]]) overrides ``linear.launch_config`` (BLOCK_N a power of 2 >= 2)."""
-    _check(x, w, b, norm_weight, kv_cache, slot_mapping, positions, cos, sin, num_heads, num_kv_heads, layout)
+    _check(x, w, b, norm_weight, kv_cache, slot_mapping, positions, cos, sin, num_heads, num_kv_heads, layout,
+           norm_bias)
     (m, k), n, head_dim = x.shape, w.shape[0], kv_cache.shape[-1]
     q_out = compile_ahead.output((m, num_heads, head_dim), x.dtype, x.device)
     if m == 0:
@@ -135,23 +136,24 @@ def launch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, norm_weight
         raise ValueError(f"linear_rope_kv_write: BLOCK_N must be a power of 2 >= 2 (column pairs), got {block_n}")
     block_m = 1 if m == 1 else max(16, triton.next_power_of_2(m))
     _linear_rope_kv_kernel[(triton.cdiv(n // 2, block_n // 2),)](
-        x, w, w if b is None else b, w if norm_weight is None else norm_weight, positions, cos, sin, slot_mapping,
+        x, w, w if b is None else b, w if norm_weight is None else norm_weight, w if norm_bias is None else norm_bias,
+        positions, cos, sin, slot_mapping,
         q_out, kv_cache, m, k, eps, slot_mapping.shape[0], x.stride(0),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2, PAGE_SIZE=kv_cache.shape[2],
-        LAYOUT=LAYOUTS[layout], HAS_BIAS=b is not None, NORM=norm_weight is not None, PREFETCH=prefetch,
+        LAYOUT=LAYOUTS[layout], HAS_BIAS=b is not None, NORM=norm_kind(norm_weight, norm_bias), PREFETCH=prefetch,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=stages,
         PDL_LATE=pdl.late(), **pdl.options(x))
     return q_out
 
 
 def _check(x, w, b, norm_weight, kv_cache, slot_mapping, positions, cos, sin, num_heads, num_kv_heads,
-           layout) -> None:
+           layout, norm_bias=None) -> None:
     name = "linear_rope_kv_write"
     if x.dim() != 2 or w.dim() != 2:
         raise ValueError(f"{name}: x must be (T, K) and w (N, K), got {tuple(x.shape)} and {tuple(w.shape)}")
     try:
-        _check_linear(x, w, b, "none", norm_weight, None)
+        _check_linear(x, w, b, "none", norm_weight, None, norm_bias)
     except ValueError as err:
         raise ValueError(f"{name}: {err}") from None
     if layout not in LAYOUTS:
@@ -183,13 +185,16 @@ def _check(x, w, b, norm_weight, kv_cache, slot_mapping, positions, cos, sin, nu
 def linear_rope_kv_write(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, norm_weight: torch.Tensor | None,
                          eps: float, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, positions: torch.Tensor,
                          cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
-                         layout: str) -> torch.Tensor:
+                         layout: str, norm_bias: torch.Tensor | None = None) -> torch.Tensor:
     """q_out (T, H, D) = the rotated q heads of ``norm(x) @ w.T + b``; the rotated k heads and the
     v heads written into ``kv_cache`` at ``slot_mapping`` (in place). One launch; see the module
     docstring for the algorithm and the layout contract. For more than one row: that launch, or
     ``linear`` then ``rope_kv_write`` (cuBLAS for the product), or ``skinny_linear``'s split-K form
-    of this launch, as ``linear_choice`` says."""
+    of this launch, as ``linear_choice`` says. ``norm_bias`` (with ``norm_weight``): a LayerNorm on
+    load instead of the RMSNorm, one row only (``linear``)."""
     args = (x, w, b, norm_weight, eps, kv_cache, slot_mapping, positions, cos, sin, num_heads, num_kv_heads, layout)
+    if norm_bias is not None:  # one row (the launch checks): the one-row kernel
+        return launch(*args, norm_bias=norm_bias)
     impl = linear_choice.choose(x)
     if impl == "skinny":
         from . import skinny_linear  # (it builds on this module)
@@ -218,5 +223,6 @@ def _two_launches(x, w, b, norm_weight, eps, kv_cache, slot_mapping, positions, 
 
 
 @linear_rope_kv_write.register_fake
-def _(x, w, b, norm_weight, eps, kv_cache, slot_mapping, positions, cos, sin, num_heads, num_kv_heads, layout):
+def _(x, w, b, norm_weight, eps, kv_cache, slot_mapping, positions, cos, sin, num_heads, num_kv_heads, layout,
+      norm_bias=None):
     return x.new_empty((x.shape[0], num_heads, kv_cache.shape[-1]))

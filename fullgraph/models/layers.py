@@ -57,7 +57,7 @@ class Linear(nn.Linear):
     decode step), with an RMSNorm applied on load (each program sums the squares
     of the row it streams anyway), the residual added in its epilogue and a gated ``activation``
     (``kernels.linear``'s names; its reference is the caller's) fused; a LayerNorm runs as its own
-    kernel first. Every other call is the plain PyTorch ops (cuBLAS for more rows, where it is faster
+    kernel first, or on load in one-row steps with the ``layernorm`` fusion (``FULLGRAPH_FUSE``). Every other call is the plain PyTorch ops (cuBLAS for more rows, where it is faster
     than our kernel), the reference. Being a registered op, the kernel is used under
     ``torch.compile`` too.
     """
@@ -65,6 +65,7 @@ class Linear(nn.Linear):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.fuse_rows = fused_max_rows()
+        self.layer_norm_on_load = "layernorm" in env.fused()   # read once, at construction
 
     def uses_kernel(self, x: torch.Tensor) -> bool:
         return kernel_path(x, self.fuse_rows) and self.weight.dtype == x.dtype and self.weight.is_contiguous()
@@ -73,9 +74,9 @@ class Linear(nn.Linear):
                 activation: str = "none", limit: float | None = None) -> torch.Tensor:
         # x: (T, in_features), residual: (T, out_features) -> (T, out_features), or (T, out_features // 2) gated
         if self.uses_kernel(x):
-            x, norm_weight, eps = _norm_on_load(x, norm)
+            x, norm_weight, norm_bias, eps = _norm_on_load(x, norm, self.layer_norm_on_load)
             return kernels.linear(x, self.weight, self.bias, activation, kernels.linear_no_limit if limit is None
-                                  else limit, norm_weight, eps, residual)
+                                  else limit, norm_weight, eps, residual, norm_bias)
         if activation != "none":
             raise ValueError(f"Linear: a fused activation ({activation!r}) needs the kernel path (uses_kernel); "
                              "apply it to the output instead")
@@ -89,16 +90,20 @@ class Linear(nn.Linear):
         ``norm(x) @ W.T + b`` split into heads by ``layout`` ("llama": [q | k | v], "grouped": per
         KV head its queries, then k and v), q and k rotated, k and v written into ``kv_cache`` at
         ``slot_mapping``, in one launch. Returns the rotated q, (T, num_heads, head_dim)."""
-        x, norm_weight, eps = _norm_on_load(x, norm)
+        x, norm_weight, norm_bias, eps = _norm_on_load(x, norm, self.layer_norm_on_load)
         return kernels.linear_rope_kv_write(x, self.weight, self.bias, norm_weight, eps, kv_cache, slot_mapping,
-                                            positions, rope.cos, rope.sin, num_heads, num_kv_heads, layout)
+                                            positions, rope.cos, rope.sin, num_heads, num_kv_heads, layout, norm_bias)
 
 
-def _norm_on_load(x: torch.Tensor, norm: nn.Module | None) -> tuple[torch.Tensor, torch.Tensor | None, float]:
-    """(input, norm weight, eps) for a kernel that applies an RMSNorm on load; any other norm runs first."""
+def _norm_on_load(x: torch.Tensor, norm: nn.Module | None,
+                  layer_norm: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, float]:
+    """(input, norm weight, norm bias, eps) for a kernel that applies the norm on load: an RMSNorm,
+    or with ``layer_norm`` a LayerNorm of one row (``kernels.linear``); any other norm runs first."""
     if isinstance(norm, RMSNorm):
-        return x, norm.weight, norm.eps
-    return (x if norm is None else norm(x)), None, 0.0
+        return x, norm.weight, None, norm.eps
+    if layer_norm and isinstance(norm, LayerNorm) and x.shape[0] == 1:
+        return x, norm.weight, norm.bias, norm.eps
+    return (x if norm is None else norm(x)), None, None, 0.0
 
 
 class RMSNorm(nn.Module):
