@@ -57,9 +57,9 @@ class Linear(nn.Linear):
     decode step), with an RMSNorm applied on load (each program sums the squares
     of the row it streams anyway), the residual added in its epilogue and a gated ``activation``
     (``kernels.linear``'s names; its reference is the caller's) fused; a LayerNorm runs as its own
-    kernel first, or on load in one-row steps with the ``layernorm`` fusion (``FULLGRAPH_FUSE``). Every other call is the plain PyTorch ops (cuBLAS for more rows, where it is faster
-    than our kernel), the reference. Being a registered op, the kernel is used under
-    ``torch.compile`` too.
+    kernel first, or on load in one-row steps with the ``layernorm`` fusion (``FULLGRAPH_FUSE``).
+    Every other call is the plain PyTorch ops (cuBLAS for more rows, where it is faster than our
+    kernel), the reference. Being a registered op, the kernel is used under ``torch.compile`` too.
     """
 
     def __init__(self, *args, **kwargs) -> None:
