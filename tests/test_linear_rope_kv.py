@@ -293,3 +293,38 @@ def test_the_op_with_cublas_chosen_is_the_two_launch_form(layout, impl, monkeypa
     want_q, want_cache = reference(**ref_args(fused, before))
     torch.testing.assert_close(q_chosen.double(), want_q, rtol=1e-5, atol=1e-5)
     assert_cache(chosen["kv_cache"], before, want_cache, fused["slot_mapping"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("layout", ["llama", "grouped"])
+def test_gpu_bf16_layer_norm_on_load_within_twice_the_two_launch_error(layout):
+    """One bf16 row with a LayerNorm applied on load (Phi-3-Small's QKV shape), against float64:
+    q and the written cache within twice the error of F.layer_norm, F.linear in bf16, then
+    ``rope_kv_write``, plus 1e-3; the row's mean far from zero."""
+    heads, kv_heads, head_dim, k, page, blocks, max_pos = 32, 8, 128, 4096, 16, 64, 4096
+    gen = torch.Generator().manual_seed(7)
+    n = (heads + 2 * kv_heads) * head_dim
+    bf16 = lambda t: t.to(DEVICE, torch.bfloat16)                                  # noqa: E731
+    x, w = bf16(torch.randn(1, k, generator=gen) + 3.0), bf16(torch.randn(n, k, generator=gen) / k ** 0.5)
+    b, g = bf16(0.1 * torch.randn(n, generator=gen)), bf16(1 + 0.2 * torch.randn(k, generator=gen))
+    nb = bf16(0.1 * torch.randn(k, generator=gen))
+    angles = torch.rand(max_pos, head_dim // 2, generator=gen, dtype=torch.float64) * 6
+    cos, sin = angles.cos().float().to(DEVICE), angles.sin().float().to(DEVICE)
+    slots = (torch.randperm((blocks - 1) * page, generator=gen)[:1] + page).to(DEVICE)
+    positions = torch.randint(0, max_pos, (1,), generator=gen).to(DEVICE)
+    fused = torch.full((2, blocks, page, kv_heads, head_dim), NAN, dtype=torch.bfloat16, device=DEVICE)
+    twice = fused.clone()
+    args = dict(x=x, w=w, b=b, norm_weight=g, eps=1e-5, slot_mapping=slots, positions=positions, cos=cos, sin=sin,
+                num_heads=heads, num_kv_heads=kv_heads, layout=layout)
+    q_out = linear_rope_kv_write(**args, kv_cache=fused, norm_bias=nb)
+    ref = ref_args({**args, "kv_cache": None}, fused.double())
+    ref.update(x=F.layer_norm(x.double(), (k,), g.double(), nb.double(), 1e-5), g=None)
+    want_q, want_cache = reference(**ref)
+    q, key, value = head_blocks(F.linear(F.layer_norm(x, (k,), g, nb, 1e-5), w, b), heads, kv_heads, layout)
+    q_twice = rope_kv_write(query=q, key=key, value=value, kv_cache=twice, slot_mapping=slots, positions=positions,
+                            cos=cos, sin=sin)
+    written = lambda cache: cache.flatten(1, 2)[:, slots]                          # noqa: E731
+    for got, base, want in ((q_out, q_twice, want_q), (written(fused), written(twice), written(want_cache))):
+        assert torch.isfinite(got).all()
+        assert (got.double() - want).abs().max().item() <= 2 * (base.double() - want).abs().max().item() + 1e-3
