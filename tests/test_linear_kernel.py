@@ -1,7 +1,7 @@
 """The weight-streaming linear kernel (``fullgraph::linear``) against float64 references:
 one row and several, ragged sizes, bias, the fused gated activations, the RMSNorm (and, one row,
-the LayerNorm) on load and the residual epilogue, weight tiles prefetched before the wait, the cuBLAS form it is measured
-against, and the models' use of it."""
+the LayerNorm) on load and the residual epilogue, weight tiles prefetched before the wait, the
+cuBLAS form it is measured against, and the models' use of it."""
 from __future__ import annotations
 
 import pytest
