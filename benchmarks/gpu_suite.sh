@@ -198,14 +198,16 @@ engine)
 layernorm-ab)  # Phi-3-Small's LayerNorms applied on load in one-row steps (FULLGRAPH_FUSE=...,layernorm) against
     # the default (a LayerNorm kernel each), back to back; the kernels' GPU tests; the profile with it on
     run layernorm_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_linear_kernel.py \
-        tests/test_linear_rope_kv.py -k "layer_norm or flash_rule"
+        tests/test_linear_rope_kv.py tests/test_layer_norm_on_load.py -k "layer_norm or flash_rule"
     for fuse in layer,rope layer,rope,layernorm; do
         FULLGRAPH_FUSE=$fuse run "layernorm_phi3_${fuse//,/_}" 120 python3 -m fullgraph.bench decode \
             --preset phi3-small-8k --batch 1 --context 2048 --modes full --steps 30 --loop sync overlap \
             --out "$OUT/layernorm_phi3_${fuse//,/_}.json"
     done
-    FULLGRAPH_FUSE=layer,rope,layernorm FULLGRAPH_PDL=0 run layernorm_profile 90 python3 benchmarks/profile_step.py \
-        --preset phi3-small-8k --batch 1 --context 2048 --out "$OUT/layernorm_profile.json"
+    for fuse in layer,rope layer,rope,layernorm; do  # PDL off: each kernel's own time
+        FULLGRAPH_FUSE=$fuse FULLGRAPH_PDL=0 run "layernorm_profile_${fuse//,/_}" 90 python3 benchmarks/profile_step.py \
+            --preset phi3-small-8k --batch 1 --context 2048 --out "$OUT/layernorm_profile_${fuse//,/_}.json"
+    done
     ;;
 sampling-ab)  # the sampling kernel of .base/ and of this tree back to back (the same flags, so the same logits),
     # after its GPU tests; then this tree's passes and undecided zones

@@ -22,6 +22,7 @@ from .kernels import compile_ahead
 from .kv_cache import BlockAllocator, KVCacheSpec, allocate_kv_caches
 from .models import from_hf
 from .models.base import check_model
+from .models.layers import refresh_norms_on_load
 from .plan import SeqChunk, Target, _who, capture_plan, plan_with_cache
 from .validate import StepValidator
 
@@ -285,6 +286,7 @@ class FullGraphRunner:
         """Run every step shape once on dummy plans (reading the null block, writing nothing), so
         Triton JIT and, with ``compile=True``, every compilation happen now, not mid-serving."""
         cfg = self.config
+        refresh_norms_on_load(self.model)  # what the fused kernels derive from the weights, before any compile
         if cfg.cudagraph == "full":
             self.capture()
             return
@@ -333,6 +335,7 @@ class FullGraphRunner:
             raise ValueError(f'capture() needs cudagraph="full" (this runner is {self.config.cudagraph!r})')
         cfg = self.config
         target = Target(self.fields, self.policy, None, None)
+        refresh_norms_on_load(self.model)  # what the fused kernels derive from the weights, before recording
 
         def prepare(key: GraphKey) -> None:
             self.buffers.copy_in(capture_plan(cfg, target, cfg.num_blocks, *key))

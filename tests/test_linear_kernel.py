@@ -12,7 +12,7 @@ import fullgraph.env
 import fullgraph.kernels
 from fullgraph.attention import Attention
 from fullgraph.kernels import linear_choice
-from fullgraph.kernels.linear import NO_LIMIT, launch, launch_config, linear
+from fullgraph.kernels.linear import NO_LIMIT, launch, launch_config, layer_norm_sums, linear
 from fullgraph.models.layers import Linear, PreNormDecoderLayer, fused_max_rows, kernel_path
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -85,26 +85,40 @@ def test_layer_norm_on_load_matches_reference(prefetch, epilogue, bias, offset):
     g, nb = (1 + 0.3 * torch.randn(k, generator=gen)).to(DEVICE), (0.5 * torch.randn(k, generator=gen)).to(DEVICE)
     residual = torch.randn(1, n, generator=gen).to(DEVICE) if epilogue == "residual" else None
     activation = epilogue if epilogue != "residual" else "none"
-    got = launch(x, w, b, activation, 1.5, (8, 32, 4, prefetch), g, 1e-5, residual, nb)
+    sums = layer_norm_sums(w, g, nb)
+    got = launch(x, w, b, activation, 1.5, (8, 32, 4, prefetch), g, 1e-5, residual, sums)
     xn = F.layer_norm(x.double(), (k,), g.double(), nb.double(), 1e-5)
     want = ref_linear(xn, w, b, activation, 1.5, None, 1e-5, residual)
     assert got.shape == want.shape and got.dtype == x.dtype
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
     if epilogue == "none":   # the op takes the one-row kernel too (its own launch configuration)
-        torch.testing.assert_close(linear(x, w, b, norm_weight=g, eps=1e-5, norm_bias=nb).double(), want,
+        torch.testing.assert_close(linear(x, w, b, norm_weight=g, eps=1e-5, layer_norm_sums=sums).double(), want,
                                    rtol=1e-5, atol=1e-4)
 
 
 def test_layer_norm_on_load_is_refused_where_it_does_not_serve():
-    """A LayerNorm on load serves one row, with its weight: other calls are refused by name."""
+    """A LayerNorm on load serves one row, with its weight and float32 (N, 2) sums: other calls
+    are refused by name."""
     k = 16
-    x, w, g, nb = torch.randn(2, k), torch.randn(8, k), torch.ones(k), torch.zeros(k)
+    x, w, g = torch.randn(2, k), torch.randn(8, k), torch.ones(k)
+    sums = layer_norm_sums(w, g, torch.randn(k))
     with pytest.raises(ValueError, match="needs one row"):
-        launch(x, w, None, norm_weight=g, norm_bias=nb)
+        launch(x, w, None, norm_weight=g, layer_norm_sums=sums)
     with pytest.raises(ValueError, match="needs one row"):
-        launch(x[:1], w, None, norm_bias=nb)
-    with pytest.raises(ValueError, match="needs one row"):
-        launch(x[:1], w, None, norm_weight=g, norm_bias=torch.zeros(k + 1))
+        launch(x[:1], w, None, layer_norm_sums=sums)
+    for bad in (sums[:-1], sums.double(), sums.t().contiguous().t()):
+        with pytest.raises(ValueError, match="needs one row"):
+            launch(x[:1], w, None, norm_weight=g, layer_norm_sums=bad)
+
+
+def test_layer_norm_sums_are_each_weight_rows_sums_in_float64():
+    """``layer_norm_sums`` over more rows than one chunk of it (4,096): (w @ g, w @ b) per row."""
+    gen = torch.Generator().manual_seed(5)
+    w, g, nb = torch.randn(4100, 24, generator=gen), torch.randn(24, generator=gen), torch.randn(24, generator=gen)
+    got = layer_norm_sums(w.bfloat16(), g, nb)
+    assert got.shape == (4100, 2) and got.dtype == torch.float32 and got.is_contiguous()
+    want = torch.stack((w.bfloat16().double() @ g.double(), w.bfloat16().double() @ nb.double()), dim=1)
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("epilogue", ["none", "residual", "silu_and_mul", "residual+bias"])
@@ -245,7 +259,7 @@ def test_bf16_layer_norm_on_load_flash_rule(n, k, activation):
     if activation == "gegelu":
         torch_bf16 = torch.ops.fullgraph.gegelu(torch_bf16, 20.0)
     base = (torch_bf16.double() - want).abs().max().item()
-    got = linear(x, w, b, activation, 20.0, g, 1e-5, None, nb)
+    got = linear(x, w, b, activation, 20.0, g, 1e-5, None, layer_norm_sums(w, g, nb))
     assert (got.double() - want).abs().max().item() <= 2 * base + 1e-3
 
 

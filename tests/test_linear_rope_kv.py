@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from fullgraph.kernels import rope_kv_write
 from fullgraph.kernels.linear import launch as linear_launch
+from fullgraph.kernels.linear import layer_norm_sums
 from fullgraph.kernels.linear_rope_kv import launch, linear_rope_kv_write
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -123,7 +124,8 @@ def test_layer_norm_on_load_matches_float64_reference(layout, prefetch):
     gen = torch.Generator().manual_seed(7 + prefetch)
     nb = (0.5 * torch.randn(K, generator=gen)).to(DEVICE)
     before = args["kv_cache"].clone()
-    q_out = launch(**args, config=(4, 32, 4, prefetch), norm_bias=nb)
+    sums = layer_norm_sums(args["w"], args["norm_weight"], nb)
+    q_out = launch(**args, config=(4, 32, 4, prefetch), layer_norm_sums=sums)
     ref = ref_args(args, before)
     ref.update(x=F.layer_norm(args["x"].double(), (K,), args["norm_weight"].double(), nb.double(), args["eps"]),
                g=None)
@@ -132,7 +134,7 @@ def test_layer_norm_on_load_matches_float64_reference(layout, prefetch):
     assert_cache(args["kv_cache"], before, want_cache, args["slot_mapping"])
     again = args["kv_cache"].clone()
     args["kv_cache"] = again
-    torch.testing.assert_close(linear_rope_kv_write(**args, norm_bias=nb).double(), want_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(linear_rope_kv_write(**args, layer_norm_sums=sums).double(), want_q, rtol=1e-5, atol=1e-5)
 
 
 def two_launches(args: dict, config: tuple[int, ...] | None) -> torch.Tensor:
@@ -317,7 +319,7 @@ def test_gpu_bf16_layer_norm_on_load_within_twice_the_two_launch_error(layout):
     twice = fused.clone()
     args = dict(x=x, w=w, b=b, norm_weight=g, eps=1e-5, slot_mapping=slots, positions=positions, cos=cos, sin=sin,
                 num_heads=heads, num_kv_heads=kv_heads, layout=layout)
-    q_out = linear_rope_kv_write(**args, kv_cache=fused, norm_bias=nb)
+    q_out = linear_rope_kv_write(**args, kv_cache=fused, layer_norm_sums=layer_norm_sums(w, g, nb))
     ref = ref_args({**args, "kv_cache": None}, fused.double())
     ref.update(x=F.layer_norm(x.double(), (k,), g.double(), nb.double(), 1e-5), g=None)
     want_q, want_cache = reference(**ref)

@@ -13,15 +13,16 @@ PDL wait, overlapping the kernel ahead. RMSNorm on load: x is scaled by the norm
 is loaded, each program sums the squares of the row it streams anyway, and the products are
 divided by the rms at the end (no pass over x before the first weight tile). LayerNorm on load
 (one row): x - x[0] is scaled by the norm weight as it is loaded, the program sums the shifted row
-and its squares (the shift keeps the variance's float32 sums from cancelling), and the sums of each
-weight row times the norm weight and times the norm bias, so that at the end ``W @ layer_norm(x)
-= rstd * (sum(w (x - x0) g) - mean' * sum(w g)) + sum(w b)`` (``mean'`` the shifted row's mean):
-two more FMAs a weight element, still no pass over x first. Epilogue: bias,
+and its squares (the shift keeps the variance's float32 sums from cancelling), and the epilogue
+takes the two constants of each weight row that a LayerNorm adds, ``sum(w g)`` and ``sum(w b)``
+(precomputed from the weights: ``layer_norm_sums``), so that ``W @ layer_norm(x) = rstd *
+(sum(w (x - x0) g) - mean' * sum(w g)) + sum(w b)`` (``mean'`` the shifted row's mean): the
+RMSNorm's loop plus one running sum. Epilogue: bias,
 then optionally a gated activation (GeGeLU over interleaved column pairs, SwiGLU over
 [gate | up] halves, whose rows a program loads interleaved) or the residual add.
 
 Layout contract: x (M, K) with unit column stride, w (N, K) contiguous, b (N,) or None, norm
-weight (K,) or None, norm bias (K,) or None (a LayerNorm; one row only), residual (M, N) with
+weight (K,) or None, LayerNorm sums (N, 2) float32 or None (a LayerNorm; one row only), residual (M, N) with
 unit column stride or None; returns a new (M, N) (or (M, N // 2) gated) tensor in x's dtype.
 Registered as ``fullgraph::linear`` (with a fake), so ``torch.compile`` keeps it one opaque
 launch; for more than one row the op takes cuBLAS unless
@@ -87,15 +88,13 @@ def _row_tile(w, g, x_ptr, k0, rk, K, NORM: tl.constexpr):
 
 
 @triton.jit
-def _layer_norm_row_tile(w, g, nb, x_ptr, x0, k0, rk, K):
+def _layer_norm_row_tile(w, g, x_ptr, x0, k0, rk, K):
     """One K tile of one row under a LayerNorm on load (NORM 2): the (BLOCK_N,) partial products
-    ``sum(w * (x - x0) * g)``, the (BLOCK_N, BLOCK_K) terms ``w * g`` and ``w * nb`` (summed once,
-    after the loop), and the tile's sum and sum of squares of ``x - x0``."""
+    ``sum(w * (x - x0) * g)`` and the tile's ``x - x0`` (its sum and squares accumulate elementwise,
+    reduced once after the loop)."""
     ok = k0 + rk < K
     xs = tl.where(ok, tl.load(x_ptr + k0 + rk, mask=ok, other=0.0).to(tl.float32) - x0, 0.0)
-    wf = w.to(tl.float32)
-    return (tl.sum(wf * (xs * g)[None, :], axis=1), wf * g[None, :], wf * nb[None, :], tl.sum(xs, axis=0),
-            tl.sum(xs * xs, axis=0))
+    return tl.sum(w.to(tl.float32) * (xs * g)[None, :], axis=1), xs
 
 
 @triton.jit
@@ -129,14 +128,15 @@ def _rows_tile(acc, ss, w, x_ptr, g_ptr, stride_xm, M, k0, rk, K, NORM: tl.const
 
 
 @triton.jit
-def product(x_ptr, w_ptr, b_ptr, g_ptr, nb_ptr, res_ptr, M, K, eps, stride_xm, stride_rm, rn, n_ok,
+def product(x_ptr, w_ptr, b_ptr, g_ptr, sums_ptr, res_ptr, M, K, eps, stride_xm, stride_rm, rn, n_ok,
             HAS_BIAS: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, PREFETCH: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
             PDL_LATE: tl.constexpr):
     """The (BLOCK_M, BLOCK_N) float32 product ``norm(x) @ w[rn].T + b[rn] (+ residual[:, rn])`` of a
     program's weight rows ``rn`` (those with ``n_ok``); NORM 0 none, 1 RMSNorm (weight ``g``), 2
-    LayerNorm (weight ``g``, bias ``nb``; one row). Waits for the kernel ahead (PDL) after loading
-    its first PREFETCH weight tiles, the norm weight's and the bias, which are parameters, and lets
+    LayerNorm (weight ``g``; ``sums`` (N, 2) float32 holds each weight row's ``(sum(w g), sum(w
+    b))``; one row). Waits for the kernel ahead (PDL) after loading its first PREFETCH weight
+    tiles, the norm weight's, the sums and the bias, which are parameters, and lets
     the kernel behind start; the residual is loaded right after the wait."""
     tl.static_assert(NORM < 2 or BLOCK_M == 1, "a LayerNorm on load serves one row")
     rk = tl.arange(0, BLOCK_K)
@@ -150,8 +150,9 @@ def product(x_ptr, w_ptr, b_ptr, g_ptr, nb_ptr, res_ptr, M, K, eps, stride_xm, s
         g0 = _norm_tile(g_ptr, 0, rk, K, NORM)
         if PREFETCH > 1:
             g1 = _norm_tile(g_ptr, BLOCK_K, rk, K, NORM)
-        if NORM == 2:
-            nb0 = _norm_tile(nb_ptr, 0, rk, K, NORM)
+        if NORM == 2:  # (sum(w g), sum(w b)) of each weight row
+            wg = tl.load(sums_ptr + 2 * rn, mask=n_ok, other=0.0)
+            wb = tl.load(sums_ptr + 2 * rn + 1, mask=n_ok, other=0.0)
     pdl.wait(USE_PDL)
     if not PDL_LATE:
         pdl.start_dependents(USE_PDL)
@@ -161,29 +162,22 @@ def product(x_ptr, w_ptr, b_ptr, g_ptr, nb_ptr, res_ptr, M, K, eps, stride_xm, s
                       other=0.0)
     if NORM == 2:  # one row (static_assert above)
         x0 = tl.load(x_ptr).to(tl.float32)           # the shift: the row's first element
-        acc1, acc_g, acc_b, s1, ss = _layer_norm_row_tile(w0, g0, nb0, x_ptr, x0, 0, rk, K)
+        acc1, xs = _layer_norm_row_tile(w0, g0, x_ptr, x0, 0, rk, K)
+        s1, ss = xs, xs * xs                          # elementwise over the K tiles, reduced after the loop
         if PREFETCH > 1:
-            part, part_g, part_b, part_s1, part_ss = _layer_norm_row_tile(
-                w1, g1, _norm_tile(nb_ptr, BLOCK_K, rk, K, NORM), x_ptr, x0, BLOCK_K, rk, K)
+            part, xs = _layer_norm_row_tile(w1, g1, x_ptr, x0, BLOCK_K, rk, K)
             acc1 += part
-            acc_g += part_g
-            acc_b += part_b
-            s1 += part_s1
-            ss += part_ss
+            s1 += xs
+            ss += xs * xs
         for k0 in range(PREFETCH * BLOCK_K, K, BLOCK_K):
             w = tl.load(w_rows + (k0 + rk)[None, :], mask=n_ok[:, None] & (k0 + rk < K)[None, :], other=0.0)
-            part, part_g, part_b, part_s1, part_ss = _layer_norm_row_tile(
-                w, _norm_tile(g_ptr, k0, rk, K, NORM), _norm_tile(nb_ptr, k0, rk, K, NORM), x_ptr, x0, k0, rk, K)
+            part, xs = _layer_norm_row_tile(w, _norm_tile(g_ptr, k0, rk, K, NORM), x_ptr, x0, k0, rk, K)
             acc1 += part
-            acc_g += part_g
-            acc_b += part_b
-            s1 += part_s1
-            ss += part_ss
-        mean = s1 / K                                 # of x - x0
-        rstd = 1.0 / tl.sqrt(tl.maximum(ss / K - mean * mean, 0.0) + eps)
-        acc_g = tl.sum(acc_g, axis=1)
-        acc_b = tl.sum(acc_b, axis=1)
-        acc = (rstd * (acc1 - mean * acc_g) + acc_b)[None, :]
+            s1 += xs
+            ss += xs * xs
+        mean = tl.sum(s1, axis=0) / K                 # of x - x0
+        rstd = 1.0 / tl.sqrt(tl.maximum(tl.sum(ss, axis=0) / K - mean * mean, 0.0) + eps)
+        acc = (rstd * (acc1 - mean * wg) + wb)[None, :]
     elif BLOCK_M == 1:
         acc1, ss = _row_tile(w0, g0, x_ptr, 0, rk, K, NORM)
         if PREFETCH > 1:
@@ -221,7 +215,7 @@ def product(x_ptr, w_ptr, b_ptr, g_ptr, nb_ptr, res_ptr, M, K, eps, stride_xm, s
 @compile_ahead.kernel
 @triton.jit
 def _linear_kernel(
-    x_ptr, w_ptr, b_ptr, g_ptr, nb_ptr, res_ptr, out_ptr,
+    x_ptr, w_ptr, b_ptr, g_ptr, sums_ptr, res_ptr, out_ptr,
     M, N, K, limit, eps,
     stride_xm, stride_rm, stride_om,
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
@@ -230,7 +224,7 @@ def _linear_kernel(
 ):
     pid = tl.program_id(0)
     rn, n_ok = columns(pid, N, ACT, BLOCK_N)
-    acc = product(x_ptr, w_ptr, b_ptr, g_ptr, nb_ptr, res_ptr, M, K, eps, stride_xm, stride_rm, rn, n_ok,
+    acc = product(x_ptr, w_ptr, b_ptr, g_ptr, sums_ptr, res_ptr, M, K, eps, stride_xm, stride_rm, rn, n_ok,
                   HAS_BIAS, NORM, HAS_RES, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL, PDL_LATE)
     store(acc, out_ptr, M, stride_om, pid, rn, n_ok, N, limit, ACT, BLOCK_M, BLOCK_N)
 
@@ -257,11 +251,11 @@ NO_LIMIT = 1e38   # a GeGeLU limit no finite float32 value reaches (an op schema
 def launch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, activation: str = "none",
            limit: float = NO_LIMIT, config: tuple[int, ...] | None = None, norm_weight: torch.Tensor | None = None,
            eps: float = 0.0, residual: torch.Tensor | None = None,
-           norm_bias: torch.Tensor | None = None) -> torch.Tensor:
+           layer_norm_sums: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton launch behind :func:`linear`; ``config`` (BLOCK_N, BLOCK_K, num_warps[, PREFETCH[,
     num_stages]]) overrides :func:`launch_config` (benchmarks sweep it)."""
     (m, k), n = x.shape, w.shape[0]
-    _check(x, w, b, activation, norm_weight, residual, norm_bias)
+    _check(x, w, b, activation, norm_weight, residual, layer_norm_sums)
     out = compile_ahead.output((m, n if activation == "none" else n // 2), x.dtype, x.device)
     if m == 0:
         return out
@@ -269,20 +263,34 @@ def launch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, activation:
     block_m = 1 if m == 1 else max(16, triton.next_power_of_2(m))
     _linear_kernel[(triton.cdiv(n, block_n),)](
         x, w, w if b is None else b, w if norm_weight is None else norm_weight,
-        w if norm_bias is None else norm_bias, out if residual is None else residual,
+        w if layer_norm_sums is None else layer_norm_sums, out if residual is None else residual,
         out, m, n, k, limit, eps, x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
-        HAS_BIAS=b is not None, ACT=ACTIVATIONS[activation], NORM=norm_kind(norm_weight, norm_bias),
+        HAS_BIAS=b is not None, ACT=ACTIVATIONS[activation], NORM=norm_kind(norm_weight, layer_norm_sums),
         HAS_RES=residual is not None, PREFETCH=prefetch, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=num_warps, num_stages=stages, PDL_LATE=pdl.late(), **pdl.options(x))
     return out
 
 
-def norm_kind(norm_weight: torch.Tensor | None, norm_bias: torch.Tensor | None) -> int:
-    """The kernels' NORM: 0 none, 1 RMSNorm (a weight), 2 LayerNorm (a weight and a bias)."""
-    return 0 if norm_weight is None else 1 if norm_bias is None else 2
+def norm_kind(norm_weight: torch.Tensor | None, layer_norm_sums: torch.Tensor | None) -> int:
+    """The kernels' NORM: 0 none, 1 RMSNorm (a weight), 2 LayerNorm (a weight and the weight rows' sums)."""
+    return 0 if norm_weight is None else 1 if layer_norm_sums is None else 2
 
 
-def _check(x, w, b, activation, norm_weight, residual, norm_bias=None) -> None:
+@torch.no_grad()
+def layer_norm_sums(w: torch.Tensor, norm_weight: torch.Tensor, norm_bias: torch.Tensor,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """``(w @ norm_weight, w @ norm_bias)`` as an (N, 2) float32 tensor (into ``out`` if given): the
+    two constants a LayerNorm on load needs of each weight row (the module docstring). Computed in
+    float64, 4,096 weight rows at a time; once per set of weights, never in a step."""
+    n = w.shape[0]
+    out = torch.empty((n, 2), dtype=torch.float32, device=w.device) if out is None else out
+    gb = torch.stack((norm_weight, norm_bias), dim=1).to(torch.float64)           # (K, 2)
+    for i in range(0, n, 4096):
+        out[i:i + 4096] = (w[i:i + 4096].to(torch.float64) @ gb).float()
+    return out
+
+
+def _check(x, w, b, activation, norm_weight, residual, layer_norm_sums=None) -> None:
     (m, k), n = x.shape, w.shape[0]
     if activation not in ACTIVATIONS or (activation != "none" and n % 2):
         raise ValueError(f"linear: activation must be one of {sorted(ACTIVATIONS)} (gated ones need an even "
@@ -293,11 +301,13 @@ def _check(x, w, b, activation, norm_weight, residual, norm_bias=None) -> None:
                          f"{None if b is None else tuple(b.shape)}")
     if norm_weight is not None and (norm_weight.shape != (k,) or norm_weight.stride() != (1,)):
         raise ValueError(f"linear: norm_weight must be a contiguous ({k},) vector, got {tuple(norm_weight.shape)}")
-    if norm_bias is not None and (norm_weight is None or m != 1 or norm_bias.shape != (k,)
-                                  or norm_bias.stride() != (1,)):
-        raise ValueError(f"linear: a LayerNorm on load (norm_bias) needs one row, a norm_weight and a contiguous "
-                         f"({k},) bias; got {m} rows, norm_weight {None if norm_weight is None else 'given'}, "
-                         f"norm_bias {tuple(norm_bias.shape)}")
+    if layer_norm_sums is not None and (norm_weight is None or m != 1 or layer_norm_sums.shape != (n, 2)
+                                        or layer_norm_sums.dtype != torch.float32
+                                        or not layer_norm_sums.is_contiguous()):
+        raise ValueError(f"linear: a LayerNorm on load (layer_norm_sums) needs one row, a norm_weight and contiguous "
+                         f"({n}, 2) float32 sums; got {m} rows, norm_weight "
+                         f"{None if norm_weight is None else 'given'}, layer_norm_sums "
+                         f"{tuple(layer_norm_sums.shape)} {layer_norm_sums.dtype}")
     if residual is not None and (activation != "none" or residual.shape != (m, n) or residual.stride(-1) != 1):
         raise ValueError(f"linear: residual must be ({m}, {n}) with unit column stride and no activation, got "
                          f"{tuple(residual.shape)} with activation {activation!r}")
@@ -306,19 +316,20 @@ def _check(x, w, b, activation, norm_weight, residual, norm_bias=None) -> None:
 @custom_op("fullgraph::linear", mutates_args=())
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, activation: str = "none",
            limit: float = NO_LIMIT, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-           residual: torch.Tensor | None = None, norm_bias: torch.Tensor | None = None) -> torch.Tensor:
+           residual: torch.Tensor | None = None, layer_norm_sums: torch.Tensor | None = None) -> torch.Tensor:
     """``norm(x) @ w.T + b`` (M, K) x (N, K) -> (M, N) in x's dtype, float32 accumulation; with a gated
     ``activation`` ("gegelu" over interleaved columns, "silu_and_mul" over [gate | up] halves, as
     in ``kernels.activation``) applied to the float32 result: -> (M, N // 2); or plus ``residual``
     (M, N). ``norm_weight``: x is RMS-normalised first (``eps``), on load: each program sums the
     squares of the row it streams anyway, and scales its products by 1/rms at the end. With
-    ``norm_bias`` too, a LayerNorm instead (one row: see the module docstring).
+    ``layer_norm_sums`` too (:func:`layer_norm_sums` of ``w`` and the norm's weight and bias), a
+    LayerNorm instead (one row: see the module docstring).
 
     One launch of the weight-streaming kernel for one row; for more rows, cuBLAS with the norm and
     the activation as kernels of their own, unless ``linear_choice`` says ours or the split-K one."""
     args = (x, w, b, activation, limit)
-    if norm_bias is not None:  # one row (the launch checks): the one-row kernel
-        return launch(*args, None, norm_weight, eps, residual, norm_bias)
+    if layer_norm_sums is not None:  # one row (the launch checks): the one-row kernel
+        return launch(*args, None, norm_weight, eps, residual, layer_norm_sums)
     impl = linear_choice.choose(x)
     if impl == "cublas":
         return linear_choice.unfused(*args, norm_weight, eps, residual)
@@ -330,5 +341,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, acti
 
 
 @linear.register_fake
-def _(x, w, b=None, activation="none", limit=NO_LIMIT, norm_weight=None, eps=0.0, residual=None, norm_bias=None):
+def _(x, w, b=None, activation="none", limit=NO_LIMIT, norm_weight=None, eps=0.0, residual=None,
+      layer_norm_sums=None):
     return x.new_empty((x.shape[0], w.shape[0] if activation == "none" else w.shape[0] // 2))

@@ -23,7 +23,8 @@ Layout contract: x (T, K) with unit column stride; w (N, K) contiguous with N = 
 its head blocks of D rows ordered by ``layout``:
     "llama":   [q_0 .. q_{H-1} | k_0 .. k_{KVH-1} | v_0 .. v_{KVH-1}]
     "grouped": per KV group g (head-major, Phi-3-Small), G = H / KVH: [q_{gG} .. q_{gG+G-1}, k_g, v_g]
-b (N,) or None; norm_weight (K,) or None; kv_cache (2, num_blocks, PAGE_SIZE, KVH, D) with unit
+b (N,) or None; norm_weight (K,) or None; layer_norm_sums (N, 2) float32 or None (with norm_weight:
+a LayerNorm, one row); kv_cache (2, num_blocks, PAGE_SIZE, KVH, D) with unit
 stride on D; slot_mapping (S,) int64, S <= T; positions (T,) int; cos, sin (P, D/2) float32
 contiguous. Returns q_out, a new contiguous (T, H, D) tensor in x's dtype.
 """
@@ -104,7 +105,7 @@ def rope_kv_epilogue(acc, pid, M, pos_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr
 @compile_ahead.kernel
 @triton.jit
 def _linear_rope_kv_kernel(
-    x_ptr, w_ptr, b_ptr, g_ptr, nb_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, kv_ptr,
+    x_ptr, w_ptr, b_ptr, g_ptr, sums_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, kv_ptr,
     M, K, eps, num_slots, stride_xm, stride_kv, stride_cb, stride_cs, stride_ch,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, PAGE_SIZE: tl.constexpr,
     LAYOUT: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, PREFETCH: tl.constexpr,
@@ -112,7 +113,7 @@ def _linear_rope_kv_kernel(
 ):
     pid = tl.program_id(0)
     rn, pair_ok = pair_columns(pid, (NUM_HEADS + 2 * NUM_KV_HEADS) * HALF, HALF, BLOCK_N)
-    acc = product(x_ptr, w_ptr, b_ptr, g_ptr, nb_ptr, x_ptr, M, K, eps, stride_xm, 0, rn, pair_ok,
+    acc = product(x_ptr, w_ptr, b_ptr, g_ptr, sums_ptr, x_ptr, M, K, eps, stride_xm, 0, rn, pair_ok,
                   HAS_BIAS, NORM, False, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL, PDL_LATE)   # waits (PDL) inside
     rope_kv_epilogue(acc, pid, M, pos_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, kv_ptr, num_slots,
                      stride_kv, stride_cb, stride_cs, stride_ch, NUM_HEADS, NUM_KV_HEADS, HALF, PAGE_SIZE, LAYOUT,
@@ -122,11 +123,11 @@ def _linear_rope_kv_kernel(
 def launch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
            kv_cache: torch.Tensor, slot_mapping: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
            sin: torch.Tensor, num_heads: int, num_kv_heads: int, layout: str,
-           config: tuple[int, ...] | None = None, norm_bias: torch.Tensor | None = None) -> torch.Tensor:
+           config: tuple[int, ...] | None = None, layer_norm_sums: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton launch behind :func:`linear_rope_kv_write`; ``config`` (BLOCK_N, BLOCK_K,
     num_warps[, PREFETCH[, num_stages]]) overrides ``linear.launch_config`` (BLOCK_N a power of 2 >= 2)."""
     _check(x, w, b, norm_weight, kv_cache, slot_mapping, positions, cos, sin, num_heads, num_kv_heads, layout,
-           norm_bias)
+           layer_norm_sums)
     (m, k), n, head_dim = x.shape, w.shape[0], kv_cache.shape[-1]
     q_out = compile_ahead.output((m, num_heads, head_dim), x.dtype, x.device)
     if m == 0:
@@ -136,24 +137,25 @@ def launch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, norm_weight
         raise ValueError(f"linear_rope_kv_write: BLOCK_N must be a power of 2 >= 2 (column pairs), got {block_n}")
     block_m = 1 if m == 1 else max(16, triton.next_power_of_2(m))
     _linear_rope_kv_kernel[(triton.cdiv(n // 2, block_n // 2),)](
-        x, w, w if b is None else b, w if norm_weight is None else norm_weight, w if norm_bias is None else norm_bias,
+        x, w, w if b is None else b, w if norm_weight is None else norm_weight,
+        w if layer_norm_sums is None else layer_norm_sums,
         positions, cos, sin, slot_mapping,
         q_out, kv_cache, m, k, eps, slot_mapping.shape[0], x.stride(0),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=head_dim // 2, PAGE_SIZE=kv_cache.shape[2],
-        LAYOUT=LAYOUTS[layout], HAS_BIAS=b is not None, NORM=norm_kind(norm_weight, norm_bias), PREFETCH=prefetch,
+        LAYOUT=LAYOUTS[layout], HAS_BIAS=b is not None, NORM=norm_kind(norm_weight, layer_norm_sums), PREFETCH=prefetch,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=stages,
         PDL_LATE=pdl.late(), **pdl.options(x))
     return q_out
 
 
 def _check(x, w, b, norm_weight, kv_cache, slot_mapping, positions, cos, sin, num_heads, num_kv_heads,
-           layout, norm_bias=None) -> None:
+           layout, layer_norm_sums=None) -> None:
     name = "linear_rope_kv_write"
     if x.dim() != 2 or w.dim() != 2:
         raise ValueError(f"{name}: x must be (T, K) and w (N, K), got {tuple(x.shape)} and {tuple(w.shape)}")
     try:
-        _check_linear(x, w, b, "none", norm_weight, None, norm_bias)
+        _check_linear(x, w, b, "none", norm_weight, None, layer_norm_sums)
     except ValueError as err:
         raise ValueError(f"{name}: {err}") from None
     if layout not in LAYOUTS:
@@ -185,16 +187,16 @@ def _check(x, w, b, norm_weight, kv_cache, slot_mapping, positions, cos, sin, nu
 def linear_rope_kv_write(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, norm_weight: torch.Tensor | None,
                          eps: float, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, positions: torch.Tensor,
                          cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
-                         layout: str, norm_bias: torch.Tensor | None = None) -> torch.Tensor:
+                         layout: str, layer_norm_sums: torch.Tensor | None = None) -> torch.Tensor:
     """q_out (T, H, D) = the rotated q heads of ``norm(x) @ w.T + b``; the rotated k heads and the
     v heads written into ``kv_cache`` at ``slot_mapping`` (in place). One launch; see the module
     docstring for the algorithm and the layout contract. For more than one row: that launch, or
     ``linear`` then ``rope_kv_write`` (cuBLAS for the product), or ``skinny_linear``'s split-K form
-    of this launch, as ``linear_choice`` says. ``norm_bias`` (with ``norm_weight``): a LayerNorm on
-    load instead of the RMSNorm, one row only (``linear``)."""
+    of this launch, as ``linear_choice`` says. ``layer_norm_sums`` (with ``norm_weight``): a
+    LayerNorm on load instead of the RMSNorm, one row only (``linear.layer_norm_sums``)."""
     args = (x, w, b, norm_weight, eps, kv_cache, slot_mapping, positions, cos, sin, num_heads, num_kv_heads, layout)
-    if norm_bias is not None:  # one row (the launch checks): the one-row kernel
-        return launch(*args, norm_bias=norm_bias)
+    if layer_norm_sums is not None:  # one row (the launch checks): the one-row kernel
+        return launch(*args, layer_norm_sums=layer_norm_sums)
     impl = linear_choice.choose(x)
     if impl == "skinny":
         from . import skinny_linear  # (it builds on this module)
@@ -224,5 +226,5 @@ def _two_launches(x, w, b, norm_weight, eps, kv_cache, slot_mapping, positions, 
 
 @linear_rope_kv_write.register_fake
 def _(x, w, b, norm_weight, eps, kv_cache, slot_mapping, positions, cos, sin, num_heads, num_kv_heads, layout,
-      norm_bias=None):
+      layer_norm_sums=None):
     return x.new_empty((x.shape[0], num_heads, kv_cache.shape[-1]))

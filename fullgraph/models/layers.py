@@ -10,6 +10,7 @@ the CPU the plain-PyTorch formulas run: they are the reference.
 """
 from __future__ import annotations
 
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -57,8 +58,9 @@ class Linear(nn.Linear):
     decode step), with an RMSNorm applied on load (each program sums the squares
     of the row it streams anyway), the residual added in its epilogue and a gated ``activation``
     (``kernels.linear``'s names; its reference is the caller's) fused; a LayerNorm runs as its own
-    kernel first, or on load in one-row steps with the ``layernorm`` fusion (``FULLGRAPH_FUSE``).
-    Every other call is the plain PyTorch ops (cuBLAS for more rows, where it is faster than our
+    kernel first, or on load in one-row steps with the ``layernorm`` fusion (``FULLGRAPH_FUSE``),
+    the weight rows' LayerNorm constants (``kernels.layer_norm_sums``) derived from the weights
+    ahead of the step (:meth:`refresh_layer_norm_sums`). Every other call is the plain PyTorch ops (cuBLAS for more rows, where it is faster than our
     kernel), the reference. Being a registered op, the kernel is used under ``torch.compile`` too.
     """
 
@@ -66,6 +68,8 @@ class Linear(nn.Linear):
         super().__init__(*args, **kwargs)
         self.fuse_rows = fused_max_rows()
         self.layer_norm_on_load = "layernorm" in env.fused()   # read once, at construction
+        self._layer_norm_sums: torch.Tensor | None = None       # (N, 2) float32, for a LayerNorm on load
+        self._sums_of: tuple = ()                               # what they were computed from
 
     def uses_kernel(self, x: torch.Tensor) -> bool:
         return kernel_path(x, self.fuse_rows) and self.weight.dtype == x.dtype and self.weight.is_contiguous()
@@ -74,9 +78,9 @@ class Linear(nn.Linear):
                 activation: str = "none", limit: float | None = None) -> torch.Tensor:
         # x: (T, in_features), residual: (T, out_features) -> (T, out_features), or (T, out_features // 2) gated
         if self.uses_kernel(x):
-            x, norm_weight, norm_bias, eps = _norm_on_load(x, norm, self.layer_norm_on_load)
+            x, norm_weight, sums, eps = self._norm_on_load(x, norm)
             return kernels.linear(x, self.weight, self.bias, activation, kernels.linear_no_limit if limit is None
-                                  else limit, norm_weight, eps, residual, norm_bias)
+                                  else limit, norm_weight, eps, residual, sums)
         if activation != "none":
             raise ValueError(f"Linear: a fused activation ({activation!r}) needs the kernel path (uses_kernel); "
                              "apply it to the output instead")
@@ -90,20 +94,60 @@ class Linear(nn.Linear):
         ``norm(x) @ W.T + b`` split into heads by ``layout`` ("llama": [q | k | v], "grouped": per
         KV head its queries, then k and v), q and k rotated, k and v written into ``kv_cache`` at
         ``slot_mapping``, in one launch. Returns the rotated q, (T, num_heads, head_dim)."""
-        x, norm_weight, norm_bias, eps = _norm_on_load(x, norm, self.layer_norm_on_load)
+        x, norm_weight, sums, eps = self._norm_on_load(x, norm)
         return kernels.linear_rope_kv_write(x, self.weight, self.bias, norm_weight, eps, kv_cache, slot_mapping,
-                                            positions, rope.cos, rope.sin, num_heads, num_kv_heads, layout, norm_bias)
+                                            positions, rope.cos, rope.sin, num_heads, num_kv_heads, layout, sums)
+
+    def _norm_on_load(self, x: torch.Tensor, norm: nn.Module | None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, float]:
+        """(input, norm weight, LayerNorm sums, eps) for a kernel that applies the norm on load: an
+        RMSNorm, or with ``layer_norm_on_load`` a LayerNorm of one row; any other norm runs first."""
+        if isinstance(norm, RMSNorm):
+            return x, norm.weight, None, norm.eps
+        if self.layer_norm_on_load and isinstance(norm, LayerNorm) and x.shape[0] == 1:
+            return x, norm.weight, self.layer_norm_sums(norm), norm.eps
+        return (x if norm is None else norm(x)), None, None, 0.0
+
+    def layer_norm_sums(self, norm: LayerNorm) -> torch.Tensor:
+        """The (N, 2) float32 ``(W @ norm.weight, W @ norm.bias)`` a LayerNorm on load needs, refreshed
+        here when the weights changed, except while compiling or capturing (a graph reads the same
+        tensor, refreshed in place: the runner refreshes every layer before it compiles or captures)."""
+        if not (torch.compiler.is_compiling() or (self.weight.is_cuda and torch.cuda.is_current_stream_capturing())):
+            self.refresh_layer_norm_sums(norm)
+        if self._layer_norm_sums is None:
+            raise RuntimeError("Linear: a LayerNorm on load needs its sums computed before a compile or a capture: "
+                               "call fullgraph.models.layers.refresh_norms_on_load(model) first")
+        return self._layer_norm_sums
+
+    def refresh_layer_norm_sums(self, norm: LayerNorm) -> None:
+        """Compute the LayerNorm-on-load sums of this weight and ``norm`` unless they are of the same
+        tensors at the same versions already; in place where the sums exist on the right device, so
+        captured graphs and compiled code keep reading the same tensor."""
+        tensors = (norm, self.weight, norm.weight, norm.bias)
+        stamp = tuple((t, t.data_ptr(), t._version) if isinstance(t, torch.Tensor) else (t,) for t in tensors)
+        if len(self._sums_of) == len(stamp) and all(
+                old[0]() is new[0] and old[1:] == new[1:] for old, new in zip(self._sums_of, stamp)):
+            return
+        with torch.inference_mode(False), torch.no_grad():   # a plain tensor, refreshable in or out of a step
+            sums = self._layer_norm_sums
+            if sums is None or sums.device != self.weight.device or sums.shape != (self.weight.shape[0], 2):
+                sums = self._layer_norm_sums = torch.empty((self.weight.shape[0], 2), dtype=torch.float32,
+                                                           device=self.weight.device)
+            kernels.layer_norm_sums(self.weight, norm.weight, norm.bias, out=sums)
+        self._sums_of = tuple((weakref.ref(s[0]), *s[1:]) for s in stamp)
 
 
-def _norm_on_load(x: torch.Tensor, norm: nn.Module | None,
-                  layer_norm: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, float]:
-    """(input, norm weight, norm bias, eps) for a kernel that applies the norm on load: an RMSNorm,
-    or with ``layer_norm`` a LayerNorm of one row (``kernels.linear``); any other norm runs first."""
-    if isinstance(norm, RMSNorm):
-        return x, norm.weight, None, norm.eps
-    if layer_norm and isinstance(norm, LayerNorm) and x.shape[0] == 1:
-        return x, norm.weight, norm.bias, norm.eps
-    return (x if norm is None else norm(x)), None, None, 0.0
+def refresh_norms_on_load(model: nn.Module) -> None:
+    """Derive, from the current weights, what every projection applying a LayerNorm on load reads
+    (``Linear.refresh_layer_norm_sums``; nothing where that fusion is off): before a compile or a
+    capture, and again after weights change in place under captured graphs."""
+    if kernels is None:  # no kernels, no fusion
+        return
+    for layer in model.modules():
+        if isinstance(layer, PreNormDecoderLayer):
+            for norm, projection in layer.projections_after_norms():
+                if isinstance(norm, LayerNorm) and projection.layer_norm_on_load:
+                    projection.refresh_layer_norm_sums(norm)
 
 
 class RMSNorm(nn.Module):
@@ -170,6 +214,11 @@ class PreNormDecoderLayer(nn.Module):
         super().__init__()
         self.fuse = "layer" in env.fused()  # read once, at construction
         self.fuse_rows = fused_max_rows()
+
+    def projections_after_norms(self) -> list[tuple[nn.Module, Linear]]:
+        """(norm, the projection that applies it on load in the fused flow): what
+        :func:`refresh_norms_on_load` prepares. Layers whose norms are LayerNorms name theirs."""
+        return []
 
     def fuses(self, x: torch.Tensor) -> bool:
         """Whether this step's layer runs the fused flow: switched on, and ``x`` on the kernel path

@@ -203,6 +203,9 @@ class Phi3SmallDecoderLayer(PreNormDecoderLayer):
         self.post_attention_layernorm = LayerNorm(c.hidden_size, c.layer_norm_epsilon, **factory)
         self.mlp = Phi3SmallMLP(c, **factory)
 
+    def projections_after_norms(self) -> list[tuple[nn.Module, Linear]]:
+        return [(self.input_layernorm, self.self_attn.query_key_value), (self.post_attention_layernorm, self.mlp.up_proj)]
+
 
 class Phi3Small(DecoderLM):
     """Phi-3-Small causal LM following the model protocol (see ``fullgraph.models.base``). ``seed``:
