@@ -18,6 +18,7 @@
 #   skinny-big (default and cuBLAS for Llama-8B and Phi-3-Small; a profiled batch-32 step) skinny-sweep (its configurations against cuBLAS)
 #   attn-ab (decode attention now against unsplit with the earlier tiles and the earlier rule)
 #   layernorm-ab (Phi-3-Small with its LayerNorms applied on load, FULLGRAPH_FUSE=layer,rope,layernorm, and without)
+#   layernorm-sweep (those two projections with the LayerNorm on load over launch configurations)
 #   sweep-attention (decode attention's splits and launch configs)
 #   host-calls (the cost of one Python, numpy and CUDA call on the machine)
 # Logs and JSON land in $OUT (or ./out); each part has its own time limit so a call stays bounded.
@@ -208,6 +209,10 @@ layernorm-ab)  # Phi-3-Small's LayerNorms applied on load in one-row steps (FULL
         FULLGRAPH_FUSE=$fuse FULLGRAPH_PDL=0 run "layernorm_profile_${fuse//,/_}" 90 python3 benchmarks/profile_step.py \
             --preset phi3-small-8k --batch 1 --context 2048 --out "$OUT/layernorm_profile_${fuse//,/_}.json"
     done
+    ;;
+layernorm-sweep)  # one row of Phi-3-Small's QKV (+ RoPE + KV write) and GeGeLU up projection: the LayerNorm
+    # kernel + the projection against the LayerNorm on load over launch configurations
+    run layernorm_sweep 300 python3 benchmarks/sweep_layer_norm.py --out "$OUT/layernorm_sweep.json"
     ;;
 sampling-ab)  # the sampling kernel of .base/ and of this tree back to back (the same flags, so the same logits),
     # after its GPU tests; then this tree's passes and undecided zones

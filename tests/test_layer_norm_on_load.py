@@ -55,8 +55,8 @@ def test_sums_follow_in_place_changes_and_replaced_parameters(fused, monkeypatch
 @pytest.mark.parametrize("preset", ["phi3", "llama"])
 @pytest.mark.parametrize("on", [True, False], ids=["layernorm", "off"])
 def test_refresh_prepares_the_projections_that_apply_a_layer_norm(preset, on, monkeypatch):
-    if on:
-        monkeypatch.setattr(fullgraph.env, "fused", lambda: frozenset({"layer", "rope", "layernorm"}))
+    fusions = {"layer", "rope", "layernorm"} if on else {"layer", "rope"}
+    monkeypatch.setattr(fullgraph.env, "fused", lambda: frozenset(fusions))
     model = (fg.models.Phi3Small(fg.models.Phi3SmallConfig.toy()) if preset == "phi3"
              else fg.models.Llama(fg.models.LlamaConfig.toy()))
     refresh_norms_on_load(model)

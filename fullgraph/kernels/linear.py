@@ -229,12 +229,17 @@ def _linear_kernel(
     store(acc, out_ptr, M, stride_om, pid, rn, n_ok, N, limit, ACT, BLOCK_M, BLOCK_N)
 
 
-def launch_config(n: int, m: int = 1) -> tuple[int, int, int, int, int]:
+def launch_config(n: int, m: int = 1, layer_norm: bool = False) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, PREFETCH, num_stages) for ``m`` rows and N output columns,
     from ``benchmarks/sweep_linear.py`` on an H200 (bf16, the llama-1b and Phi-3-Small layers): narrow
-    layers need small column blocks for enough programs to stream HBM; wide ones do not."""
+    layers need small column blocks for enough programs to stream HBM; wide ones do not. With a
+    LayerNorm on load (one row), from ``benchmarks/sweep_layer_norm.py`` on an H100 (Phi-3-Small's QKV
+    with RoPE, 6144 x 4096, and GeGeLU up projection, 28672 x 4096): the defaults below cost it
+    3-4 us on the QKV shape, where 16 x 512 runs it 0.8 us under the LayerNorm kernel + projection."""
     if m > 1:  # rows padded to 16 for tl.dot
         return (16 if n <= 8192 else 32), 256, 4, 1, 3
+    if layer_norm:
+        return (16, 512, 4, 1, 1) if n <= 8192 else (4, 1024, 4, 2, 1)
     if n <= 3072:
         return 4, 1024, 8, 1, 1
     if n <= 4096:
@@ -259,7 +264,8 @@ def launch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, activation:
     out = compile_ahead.output((m, n if activation == "none" else n // 2), x.dtype, x.device)
     if m == 0:
         return out
-    block_n, block_k, num_warps, prefetch, stages = (*(config or launch_config(n, m)), 1, 1)[:5]
+    block_n, block_k, num_warps, prefetch, stages = (*(config or launch_config(n, m, layer_norm_sums is not None)),
+                                                     1, 1)[:5]
     block_m = 1 if m == 1 else max(16, triton.next_power_of_2(m))
     _linear_kernel[(triton.cdiv(n, block_n),)](
         x, w, w if b is None else b, w if norm_weight is None else norm_weight,

@@ -132,7 +132,8 @@ def launch(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, norm_weight
     q_out = compile_ahead.output((m, num_heads, head_dim), x.dtype, x.device)
     if m == 0:
         return q_out
-    block_n, block_k, num_warps, prefetch, stages = (*(config or launch_config(n, m)), 1, 1)[:5]
+    block_n, block_k, num_warps, prefetch, stages = (*(config or launch_config(n, m, layer_norm_sums is not None)),
+                                                     1, 1)[:5]
     if block_n < 2 or block_n & (block_n - 1):
         raise ValueError(f"linear_rope_kv_write: BLOCK_N must be a power of 2 >= 2 (column pairs), got {block_n}")
     block_m = 1 if m == 1 else max(16, triton.next_power_of_2(m))
