@@ -19,6 +19,7 @@
 #   attn-ab (decode attention now against unsplit with the earlier tiles and the earlier rule)
 #   layernorm-ab (Phi-3-Small with its LayerNorms applied on load, FULLGRAPH_FUSE=layer,rope,layernorm, and without)
 #   layernorm-sweep (those two projections with the LayerNorm on load over launch configurations)
+#   b32-h200 (llama-1b at 8 and 32 rows: the split-K linear against cuBLAS and the unfused layer, and profiles)
 #   sweep-attention (decode attention's splits and launch configs)
 #   host-calls (the cost of one Python, numpy and CUDA call on the machine)
 # Logs and JSON land in $OUT (or ./out); each part has its own time limit so a call stays bounded.
@@ -208,6 +209,20 @@ layernorm-ab)  # Phi-3-Small's LayerNorms applied on load in one-row steps (FULL
     for fuse in layer,rope layer,rope,layernorm; do  # PDL off: each kernel's own time
         FULLGRAPH_FUSE=$fuse FULLGRAPH_PDL=0 run "layernorm_profile_${fuse//,/_}" 90 python3 benchmarks/profile_step.py \
             --preset phi3-small-8k --batch 1 --context 2048 --out "$OUT/layernorm_profile_${fuse//,/_}.json"
+    done
+    ;;
+b32-h200)  # llama-1b at 32 rows on the H200 ran 1.565 ms overlapped at 48bf847 against 1.439 at 751020d: the
+    # default beside cuBLAS for 2-32 rows (the split-K linear's rule was swept on an H100), back to back; then
+    # each one's kernels with PDL off (times that add up). decode-ab with .base/ at 751020d bisects further
+    for variant in "default auto layer,rope" "cublas cublas layer,rope"; do
+        set -- $variant
+        FULLGRAPH_LINEAR=$2 FULLGRAPH_FUSE=$3 run "b32_$1" 90 python3 -m fullgraph.bench decode --preset llama-1b \
+            --batch 8 32 --context 1024 --modes full --steps 30 --loop sync overlap --out "$OUT/b32_$1.json"
+    done
+    for variant in "default auto layer,rope" "cublas cublas layer,rope"; do
+        set -- $variant
+        FULLGRAPH_LINEAR=$2 FULLGRAPH_FUSE=$3 FULLGRAPH_PDL=0 run "b32_profile_$1" 70 python3 benchmarks/profile_step.py \
+            --preset llama-1b --batch 32 --context 1024 --out "$OUT/b32_profile_$1.json"
     done
     ;;
 layernorm-sweep)  # one row of Phi-3-Small's QKV (+ RoPE + KV write) and GeGeLU up projection: the LayerNorm

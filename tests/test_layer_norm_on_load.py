@@ -98,21 +98,30 @@ def test_a_compiled_forward_reads_the_refreshed_sums_without_recompiling(fused, 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_captured_graphs_apply_the_layer_norm_on_load_and_follow_a_refresh(fused):
-    """Phi-3-Small (toy, bf16) decoding one request with its LayerNorms on load: the captured graphs
-    give the eager steps' logits; after an in-place change of every LayerNorm, eager steps refresh
-    on their own and the graphs after ``refresh_norms_on_load``."""
+    """Phi-3-Small (toy, bf16) decoding two requests, in one-row steps (the LayerNorms on load) and
+    two-row ones (a LayerNorm kernel each): the captured graphs give the eager steps' logits; after
+    an in-place change of every LayerNorm, eager steps refresh on their own and the graphs after
+    ``refresh_norms_on_load``."""
     model = fg.models.Phi3Small(fg.models.Phi3SmallConfig.toy(), dtype=torch.bfloat16, device="cuda")
     runners = [fg.FullGraphRunner(model, max_num_seqs=2, max_num_tokens=32, max_model_len=128, cudagraph=mode,
                                   attention="triton") for mode in ("full", "none")]
     ids = [r.blocks.allocate(2) for r in runners]
     prompt = [5, 9, 2, 7, 11]
+    other = [r.blocks.allocate(2) for r in runners]
 
-    def logits(pos: int, tokens: list[int]) -> list[torch.Tensor]:
-        return [r.step([fg.SeqChunk(tokens, pos, i)]).logits.float() for r, i in zip(runners, ids)]
+    def logits(pos: int, tokens: list[int], together: bool) -> list[torch.Tensor]:
+        """Both requests' step: ``together`` as one step of two rows, else as two one-row steps; each
+        runner's logits, (2, vocab)."""
+        out = []
+        for r, i, j in zip(runners, ids, other):
+            chunks = [fg.SeqChunk(tokens, pos, i), fg.SeqChunk(tokens, pos, j)]
+            out.append(r.step(chunks).logits.float() if together
+                       else torch.cat([r.step([c]).logits.float() for c in chunks]))
+        return out
 
-    logits(0, prompt)
-    for pos, token in ((5, 3), (6, 14)):
-        graph, eager = logits(pos, [token])
+    logits(0, prompt, together=True)
+    for pos, token, together in ((5, 3, False), (6, 14, True)):
+        graph, eager = logits(pos, [token], together)
         assert not graph.isnan().any()   # (dummy token ids are -inf)
         torch.testing.assert_close(graph, eager, rtol=0, atol=1e-2)
     assert all(lin._layer_norm_sums is not None for layer in model.layers for _, lin in layer.projections_after_norms())
@@ -121,6 +130,6 @@ def test_captured_graphs_apply_the_layer_norm_on_load_and_follow_a_refresh(fused
             layer.input_layernorm.bias.add_(0.5)
             layer.post_attention_layernorm.weight.mul_(1.5)
     refresh_norms_on_load(model)
-    for pos, token in ((7, 8), (8, 1)):
-        graph, eager = logits(pos, [token])
+    for pos, token, together in ((7, 8, False), (8, 1, True)):
+        graph, eager = logits(pos, [token], together)
         torch.testing.assert_close(graph, eager, rtol=0, atol=1e-2)

@@ -233,13 +233,14 @@ def launch_config(n: int, m: int = 1, layer_norm: bool = False) -> tuple[int, in
     """(BLOCK_N, BLOCK_K, num_warps, PREFETCH, num_stages) for ``m`` rows and N output columns,
     from ``benchmarks/sweep_linear.py`` on an H200 (bf16, the llama-1b and Phi-3-Small layers): narrow
     layers need small column blocks for enough programs to stream HBM; wide ones do not. With a
-    LayerNorm on load (one row), from ``benchmarks/sweep_layer_norm.py`` on an H100 (Phi-3-Small's QKV
-    with RoPE, 6144 x 4096, and GeGeLU up projection, 28672 x 4096): the defaults below cost it
-    3-4 us on the QKV shape, where 16 x 512 runs it 0.8 us under the LayerNorm kernel + projection."""
+    LayerNorm on load (one row), from ``benchmarks/sweep_layer_norm.py`` on an H100 and an H200
+    (Phi-3-Small's QKV with RoPE, 6144 x 4096, and GeGeLU up projection, 28672 x 4096): 16 x 512 and
+    16 x 256 run under the LayerNorm kernel + projection on both (H200 15.5 / 56.4 us against 15.8 /
+    57.6); the defaults below cost the QKV shape 3-4 us on the H100."""
     if m > 1:  # rows padded to 16 for tl.dot
         return (16 if n <= 8192 else 32), 256, 4, 1, 3
     if layer_norm:
-        return (16, 512, 4, 1, 1) if n <= 8192 else (4, 1024, 4, 2, 1)
+        return (16, 512, 4, 1, 1) if n <= 8192 else (16, 256, 4, 1, 1)
     if n <= 3072:
         return 4, 1024, 8, 1, 1
     if n <= 4096:
