@@ -134,7 +134,8 @@ def test_layer_norm_on_load_matches_float64_reference(layout, prefetch):
     assert_cache(args["kv_cache"], before, want_cache, args["slot_mapping"])
     again = args["kv_cache"].clone()
     args["kv_cache"] = again
-    torch.testing.assert_close(linear_rope_kv_write(**args, layer_norm_sums=sums).double(), want_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(linear_rope_kv_write(**args, layer_norm_sums=sums).double(), want_q, rtol=1e-5,
+                               atol=1e-5)
 
 
 def two_launches(args: dict, config: tuple[int, ...] | None) -> torch.Tensor:

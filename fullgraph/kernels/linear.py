@@ -22,8 +22,8 @@ then optionally a gated activation (GeGeLU over interleaved column pairs, SwiGLU
 [gate | up] halves, whose rows a program loads interleaved) or the residual add.
 
 Layout contract: x (M, K) with unit column stride, w (N, K) contiguous, b (N,) or None, norm
-weight (K,) or None, LayerNorm sums (N, 2) float32 or None (a LayerNorm; one row only), residual (M, N) with
-unit column stride or None; returns a new (M, N) (or (M, N // 2) gated) tensor in x's dtype.
+weight (K,) or None, LayerNorm sums (N, 2) float32 or None (a LayerNorm; one row only), residual
+(M, N) with unit column stride or None; returns a new (M, N) (or (M, N // 2) gated) tensor in x's dtype.
 Registered as ``fullgraph::linear`` (with a fake), so ``torch.compile`` keeps it one opaque
 launch; for more than one row the op takes cuBLAS unless
 ``linear_choice`` says this kernel or ``skinny_linear``'s.

@@ -60,8 +60,8 @@ class Linear(nn.Linear):
     (``kernels.linear``'s names; its reference is the caller's) fused; a LayerNorm runs as its own
     kernel first, or on load in one-row steps with the ``layernorm`` fusion (``FULLGRAPH_FUSE``),
     the weight rows' LayerNorm constants (``kernels.layer_norm_sums``) derived from the weights
-    ahead of the step (:meth:`refresh_layer_norm_sums`). Every other call is the plain PyTorch ops (cuBLAS for more rows, where it is faster than our
-    kernel), the reference. Being a registered op, the kernel is used under ``torch.compile`` too.
+    ahead of the step (:meth:`refresh_layer_norm_sums`). Every other call is the plain PyTorch ops
+    (cuBLAS for more rows, where it is faster than our kernel), the reference. Being a registered op, the kernel is used under ``torch.compile`` too.
     """
 
     def __init__(self, *args, **kwargs) -> None:

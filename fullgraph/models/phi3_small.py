@@ -204,7 +204,8 @@ class Phi3SmallDecoderLayer(PreNormDecoderLayer):
         self.mlp = Phi3SmallMLP(c, **factory)
 
     def projections_after_norms(self) -> list[tuple[nn.Module, Linear]]:
-        return [(self.input_layernorm, self.self_attn.query_key_value), (self.post_attention_layernorm, self.mlp.up_proj)]
+        return [(self.input_layernorm, self.self_attn.query_key_value),
+                (self.post_attention_layernorm, self.mlp.up_proj)]
 
 
 class Phi3Small(DecoderLM):
