@@ -84,7 +84,6 @@ def main() -> None:
         print(f"{'':16s} separate {dict(results)['layer_norm kernel + projection']:.1f}  alone "
               f"{dict(results)['projection alone']:.1f}  on-load default {dict(results)['on load, default']:.1f} us")
         rows.append({"shape": name, "mbytes": mb, "us": dict(results)})
-        del weights, sums
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
     print(f"wrote {args.out}")

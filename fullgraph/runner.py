@@ -286,10 +286,10 @@ class FullGraphRunner:
         """Run every step shape once on dummy plans (reading the null block, writing nothing), so
         Triton JIT and, with ``compile=True``, every compilation happen now, not mid-serving."""
         cfg = self.config
-        refresh_norms_on_load(self.model)  # what the fused kernels derive from the weights, before any compile
         if cfg.cudagraph == "full":
             self.capture()
             return
+        refresh_norms_on_load(self.model)  # what the fused kernels derive from the weights, before any compile
         target = Target(self.fields, self.policy, None, None)
         if cfg.cudagraph == "padded":
             def run(key: GraphKey) -> None:
