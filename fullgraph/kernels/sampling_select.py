@@ -92,12 +92,17 @@ def _register_search(cid, ok, x_row, vocab, inv_t, s_max, floor_v, base, target,
     """Exact threshold over the tokens ``cid[ok]`` held in registers (-inf: all pass), and their
     mass at or above it."""
     s = _scaled(x_row, tl.where(ok, cid, vocab), vocab, inv_t)
-    e = tl.exp(s - s_max)
+    return _value_search(s, tl.exp(s - s_max), ok, x_row, floor_v, base, target, BY_MASS, P)
+
+
+@triton.jit
+def _value_search(s, e, ok, x_row, floor_v, base, target, BY_MASS: tl.constexpr, P: tl.constexpr):
+    """:func:`_register_search` over scores ``s`` (and ``e = exp(s - s_max)``) already loaded."""
     sv = tl.where(ok, s, NEG_INF)
     keys = _key(s)
     lo = tl.min(tl.where(ok, keys, INT_MAX), 0).to(tl.int64) - 1
     hi = tl.max(tl.where(ok, keys, -INT_MAX), 0).to(tl.int64) + 1
-    kk = _search(lo, hi, floor_v, base, target, sv, e, x_row, vocab, inv_t, s_max, x_row, BY_MASS, False, 1, 1, 1, P)
+    kk = _search(lo, hi, floor_v, base, target, sv, e, x_row, 1, 1.0, 0.0, x_row, BY_MASS, False, 1, 1, 1, P)
     v = tl.where(kk > lo, _unkey(kk.to(tl.int32)), NEG_INF)
     return v, tl.sum(tl.where(sv >= tl.maximum(v, floor_v), e, 0.0), 0)
 
@@ -202,6 +207,42 @@ def _row_thresholds(x_row, zrow, vocab, inv_t, s_max, z, n_hi, mass_hi, top_k, t
 
 
 @triton.jit
+def _small_list_ids(ends, cand_ptr, row, num_chunks, seg_cap, N: tl.constexpr):
+    """:func:`_list_ids` for positions 0 .. N - 1 with the segment ends held in registers
+    (``tl.cumsum`` of the chunks' counts; padding ones at the total): each position's chunk and
+    segment start from one (N, C_PAD) comparison, so the ids take one gather, where the binary
+    search waited on a store, a barrier and C_BITS dependent loads."""
+    p = tl.arange(0, N)
+    before = ends[None, :] <= p[:, None]                       # (N, C_PAD): segments ending at or before p
+    seg = tl.sum(before.to(tl.int32), 1)
+    base = tl.max(tl.where(before, ends[None, :], 0), 1)
+    ok = p < tl.max(ends, 0)
+    return tl.load(cand_ptr + (row * num_chunks + seg) * seg_cap + p - base, mask=ok, other=0), ok
+
+
+@triton.jit
+def _direct(x_row, ends, cand_ptr, row, num_chunks, seg_cap, vocab, inv_t, s_max, z, n_hi, mass_hi, top_k, top_p,
+            min_p, seed, offset, CB: tl.constexpr, P: tl.constexpr):
+    """(v_k, v_p, score, id) with the whole undecided list (<= CB tokens) in registers: the exact
+    thresholds, then the Gumbel winner among the listed tokens they and min-p keep (as
+    :func:`_list_winner`, over the same registers instead of a second walk of the list)."""
+    cid, ok = _small_list_ids(ends, cand_ptr, row, num_chunks, seg_cap, CB)
+    s = _scaled(x_row, tl.where(ok, cid, vocab), vocab, inv_t)
+    e = tl.exp(s - s_max)
+    v_k = tl.full([], NEG_INF, tl.float32)
+    if (top_k > 0) & (top_k < vocab):
+        v_k, m_k = _value_search(s, e, ok, x_row, v_k, n_hi, top_k, False, P)
+        z = mass_hi + m_k
+    v_p = tl.full([], NEG_INF, tl.float32)
+    if top_p < 1.0:
+        v_p, _ = _value_search(s, e, ok, x_row, v_k, mass_hi, top_p * z, True, P)
+    keep = ok & (s > NEG_INF) & (s >= v_k) & (s >= v_p) & (e >= min_p)
+    score = tl.where(keep, s + _noise_at(cid, seed, offset), NEG_INF)
+    m = tl.max(score, 0)
+    return v_k, v_p, m, tl.min(tl.where(keep & (score == m), cid, INT_MAX), 0)
+
+
+@triton.jit
 def _direct_thresholds(x_row, ends_ptr, cand_ptr, row, num_chunks, seg_cap, vocab, inv_t, s_max, z, n_hi,
                        mass_hi, top_k, top_p, CB: tl.constexpr, P: tl.constexpr, C_PAD: tl.constexpr,
                        C_BITS: tl.constexpr):
@@ -265,14 +306,20 @@ def _unchained(logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, 
         best_id = tl.min(tl.where(scores == best, ids, INT_MAX), 0)
         n_hi = tl.load(zrow + 5)
         x_row = logits_ptr + row * stride_l
-        if n_list > 0:
+        if (n_list > 0) & (n_list <= CB_SMALL):                 # a short list (a top-k of 50): one pass in registers
+            counts = tl.load(part_i_ptr + (row * num_chunks + cs) * 3 + 2, mask=cs < num_chunks, other=0)
+            v_k, v_p, m, m_id = _direct(x_row, tl.cumsum(counts, 0), cand_ptr, row, num_chunks, seg_cap, vocab,
+                                        inv_t, s_max, z, n_hi, mass_hi, top_k, top_p, min_p, seed, offset,
+                                        CB_SMALL, 8)
+            tl.store(zrow + THRESHOLDS, v_k.to(tl.int32, bitcast=True))       # for tests and inspection
+            tl.store(zrow + THRESHOLDS + 1, v_p.to(tl.int32, bitcast=True))
+            best_id = tl.where((m > best) | ((m == best) & (m_id < best_id)), m_id, best_id)
+            best = tl.maximum(best, m)
+        elif n_list > 0:
             scratch_row = scratch_ptr + row * (CB + C_PAD)
             ends = scratch_row + CB                                # the list's segment ends, after the ids
             _segment_ends(part_i_ptr, ends, row, num_chunks, C_PAD)
-            if n_list <= CB_SMALL:
-                v_k, v_p = _direct_thresholds(x_row, ends, cand_ptr, row, num_chunks, seg_cap, vocab, inv_t,
-                                              s_max, z, n_hi, mass_hi, top_k, top_p, CB_SMALL, 8, C_PAD, C_BITS)
-            elif n_list <= CB:
+            if n_list <= CB:
                 v_k, v_p = _direct_thresholds(x_row, ends, cand_ptr, row, num_chunks, seg_cap, vocab, inv_t,
                                               s_max, z, n_hi, mass_hi, top_k, top_p, CB, 2, C_PAD, C_BITS)
             else:
