@@ -19,7 +19,7 @@
 #   attn-ab (decode attention now against unsplit with the earlier tiles and the earlier rule)
 #   layernorm-ab (Phi-3-Small with its LayerNorms applied on load, FULLGRAPH_FUSE=layer,rope,layernorm, and without)
 #   layernorm-sweep (those two projections with the LayerNorm on load over launch configurations)
-#   b32-h200 (llama-1b at 8 and 32 rows: the split-K linear against cuBLAS and the unfused layer, and profiles)
+#   b32-h200 (llama-1b at 8 and 32 rows: the split-K linear against cuBLAS, each also with split decode attention, and profiles)
 #   sweep-attention (decode attention's splits and launch configs)
 #   host-calls (the cost of one Python, numpy and CUDA call on the machine)
 # Logs and JSON land in $OUT (or ./out); each part has its own time limit so a call stays bounded.
@@ -219,6 +219,18 @@ b32-h200)  # llama-1b at 32 rows on the H200 ran 1.565 ms overlapped at 48bf847 
         FULLGRAPH_LINEAR=$2 FULLGRAPH_FUSE=$3 run "b32_$1" 90 python3 -m fullgraph.bench decode --preset llama-1b \
             --batch 8 32 --context 1024 --modes full --steps 30 --loop sync overlap --out "$OUT/b32_$1.json"
     done
+    # decode attention split at every batch with the earlier tiles (the rule of d067413), each linear form
+    for linear in auto cublas; do
+        run "b32_splitattn_$linear" 90 env FULLGRAPH_LINEAR=$linear python3 -c "
+import sys, importlib
+from fullgraph.kernels import split_kv_reduce
+importlib.import_module('fullgraph.kernels.attention_config').LONG_PROGRAM_KEYS = 1000000000
+split_kv_reduce.UNSPLIT_PROGRAMS_PER_SM = 1000000
+from fullgraph.bench.__main__ import main
+sys.argv = ['bench', 'decode', '--preset', 'llama-1b', '--batch', '8', '32', '--context', '1024', '--modes', 'full',
+            '--steps', '30', '--loop', 'sync', 'overlap', '--out', '$OUT/b32_splitattn_$linear.json']
+main()"
+    done
     for variant in "default auto layer,rope" "cublas cublas layer,rope"; do
         set -- $variant
         FULLGRAPH_LINEAR=$2 FULLGRAPH_FUSE=$3 FULLGRAPH_PDL=0 run "b32_profile_$1" 70 python3 benchmarks/profile_step.py \
@@ -234,6 +246,10 @@ sampling-ab)  # the sampling kernel of .base/ and of this tree back to back (the
     run sampling_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_sampling.py
     (cd .base && PYTHONPATH=. run sampling_old 120 python3 ../benchmarks/bench_sampling.py --skip-reference \
         --out "$OUT/sampling_old.json")
+    for tree in ${MORE_TREES:-}; do   # MORE_TREES="dir ...": other trees (carried), each as sampling_<dir>
+        (cd $tree && PYTHONPATH=. run "sampling_${tree#.}" 120 python3 ../benchmarks/bench_sampling.py --skip-reference \
+            --passes --out "$OUT/sampling_${tree#.}.json")
+    done
     run sampling_new 120 python3 benchmarks/bench_sampling.py --skip-reference --out "$OUT/sampling_new.json"
     run sampling_passes 120 python3 benchmarks/bench_sampling.py --skip-reference --zones --passes \
         --out "$OUT/sampling_passes.json"

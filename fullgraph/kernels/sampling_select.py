@@ -10,6 +10,8 @@ from .sampling_chain import STATE, TOKEN
 from .sampling_common import (INT_MAX, NEG_INF, THRESHOLDS, ZONES_W, _key, _noise_at, _position, _row_max, _row_sum,
                               _scaled, _unkey)
 
+CB_SORT = tl.constexpr(128)   # undecided lists this short are sorted instead of searched
+
 @triton.jit
 def _stat(sv, e, tv, BY_MASS: tl.constexpr):
     """(P,) count (or mass) of ``sv >= tv[p]``; sv is -inf off the undecided set."""
@@ -243,6 +245,34 @@ def _direct(x_row, ends, cand_ptr, row, num_chunks, seg_cap, vocab, inv_t, s_max
 
 
 @triton.jit
+def _sorted(x_row, ends, cand_ptr, row, num_chunks, seg_cap, vocab, inv_t, s_max, z, n_hi, mass_hi, top_k, top_p,
+            min_p, seed, offset, N: tl.constexpr):
+    """:func:`_direct` for a list of at most N tokens by one sort instead of two searches: the
+    scores in descending order (an int64 of the order-preserving key and the lane), v_k the
+    (k - n_hi)-th of them, v_p the first at which the running mass above the list plus the
+    sorted masses down to it reach ``top_p * Z_k``."""
+    cid, ok = _small_list_ids(ends, cand_ptr, row, num_chunks, seg_cap, N)
+    s = tl.where(ok, _scaled(x_row, tl.where(ok, cid, vocab), vocab, inv_t), NEG_INF)
+    e = tl.exp(s - s_max)
+    i = tl.arange(0, N)
+    order = tl.sort((_key(s).to(tl.int64) << 32) | i.to(tl.int64), descending=True)
+    ss = _unkey((order >> 32).to(tl.int32))                 # the scores, largest first
+    v_k = tl.full([], NEG_INF, tl.float32)
+    if (top_k > 0) & (top_k < vocab):
+        v_k = tl.max(tl.where(i == top_k - n_hi - 1, ss, NEG_INF), 0)
+        z = mass_hi + tl.sum(tl.where(s >= v_k, e, 0.0), 0)
+    v_p = tl.full([], NEG_INF, tl.float32)
+    if top_p < 1.0:
+        above = mass_hi + tl.cumsum(tl.where(ss >= v_k, tl.exp(ss - s_max), 0.0), 0)
+        at = tl.sum((above < top_p * z).to(tl.int32), 0)  # the first position whose running mass reaches the cut
+        v_p = tl.max(tl.where(i == at, ss, NEG_INF), 0)
+    keep = ok & (s > NEG_INF) & (s >= v_k) & (s >= v_p) & (e >= min_p)
+    score = tl.where(keep, s + _noise_at(cid, seed, offset), NEG_INF)
+    m = tl.max(score, 0)
+    return v_k, v_p, m, tl.min(tl.where(keep & (score == m), cid, INT_MAX), 0)
+
+
+@triton.jit
 def _direct_thresholds(x_row, ends_ptr, cand_ptr, row, num_chunks, seg_cap, vocab, inv_t, s_max, z, n_hi,
                        mass_hi, top_k, top_p, CB: tl.constexpr, P: tl.constexpr, C_PAD: tl.constexpr,
                        C_BITS: tl.constexpr):
@@ -308,9 +338,13 @@ def _unchained(logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, 
         x_row = logits_ptr + row * stride_l
         if (n_list > 0) & (n_list <= CB_SMALL):                 # a short list (a top-k of 50): one pass in registers
             counts = tl.load(part_i_ptr + (row * num_chunks + cs) * 3 + 2, mask=cs < num_chunks, other=0)
-            v_k, v_p, m, m_id = _direct(x_row, tl.cumsum(counts, 0), cand_ptr, row, num_chunks, seg_cap, vocab,
-                                        inv_t, s_max, z, n_hi, mass_hi, top_k, top_p, min_p, seed, offset,
-                                        CB_SMALL, 8)
+            if n_list <= CB_SORT:
+                v_k, v_p, m, m_id = _sorted(x_row, tl.cumsum(counts, 0), cand_ptr, row, num_chunks, seg_cap, vocab,
+                                            inv_t, s_max, z, n_hi, mass_hi, top_k, top_p, min_p, seed, offset, CB_SORT)
+            else:
+                v_k, v_p, m, m_id = _direct(x_row, tl.cumsum(counts, 0), cand_ptr, row, num_chunks, seg_cap, vocab,
+                                            inv_t, s_max, z, n_hi, mass_hi, top_k, top_p, min_p, seed, offset,
+                                            CB_SMALL, 8)
             tl.store(zrow + THRESHOLDS, v_k.to(tl.int32, bitcast=True))       # for tests and inspection
             tl.store(zrow + THRESHOLDS + 1, v_p.to(tl.int32, bitcast=True))
             best_id = tl.where((m > best) | ((m == best) & (m_id < best_id)), m_id, best_id)

@@ -20,7 +20,6 @@ import triton.language as tl
 from .sampling_common import INT_MAX, NEG_INF, _finite_or_neg_inf, _max_and_first, _raw, _track_max
 
 TOP_VALUES = 8   # values a chunk lists (k up to TOP_VALUES * chunks takes this path)
-PAIRS = tl.constexpr(16)   # listed values compared with all the others at a time (registers: PAIRS x list / threads)
 LISTED = tl.constexpr(3)   # zones STATE of a row whose candidates are listed (see sampling_chain.STATE)
 
 
@@ -61,16 +60,9 @@ def _list_topk(x_row, values_ptr, part_f_ptr, part_i_ptr, cand_ptr, zrow, row, c
     """Level-1 work of a top-k row: the chunk's tokens with ``s >= L`` into its ``cand`` segment (the
     select pass's list, nothing surely kept above it); the row's last program checks the list fits."""
     e = tl.arange(0, C_PAD * TK)
-    row_values = values_ptr + row * num_chunks * TK
-    listed = tl.load(row_values + e, mask=e < num_chunks * TK, other=NEG_INF)
-    # L, the k-th largest listed value: the largest v with at least k listed values >= v (every pair
-    # compared, PAIRS listed values at a time, where a sort took log2(n)^2 / 2 exchange steps)
-    at_least = tl.zeros([C_PAD * TK], tl.int32)
-    for j in range(0, C_PAD * TK, PAIRS):
-        other = tl.load(row_values + j + tl.arange(0, PAIRS), mask=j + tl.arange(0, PAIRS) < num_chunks * TK,
-                        other=NEG_INF)
-        at_least += tl.sum((other[None, :] >= listed[:, None]).to(tl.int32), 1)
-    floor_v = tl.max(tl.where(at_least >= top_k, listed, NEG_INF), 0)
+    listed = tl.sort(tl.load(values_ptr + row * num_chunks * TK + e, mask=e < num_chunks * TK, other=NEG_INF),
+                     descending=True)
+    floor_v = tl.max(tl.where(e == top_k - 1, listed, NEG_INF), 0)    # L: the k-th largest listed value
     slot = row * num_chunks + c
     n = 0
     # the next block is loaded ahead, so that its load overlaps this block's count (a block-wide
