@@ -87,6 +87,11 @@ class BlockIdCache:
         # and what the step looked up does to it once committed (ids to add, or None: drop it)
         self._member: np.ndarray | None = None
         self._pending_member: list[int] | None = None
+        # commits so far; what the step being looked up adds to the committed one (the ids its lists
+        # appended; () for none) or None (other lists), and that once committed (see ``basis``)
+        self.version = 0
+        self._pending_basis: tuple[int, tuple] | None = None
+        self._basis: tuple[int | None, tuple, int] = (None, (), 0)
 
     def lookup(self, blk_lists: list[Sequence[int]], count: int, num_blocks: int, width: int,
                shared: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None, bool]:
@@ -94,7 +99,7 @@ class BlockIdCache:
         None; and whether the ids are known to be in range and distinct. ``shared``: the (num_blocks,)
         bool mask of ids several lists may name (none is taken as grown)."""
         limits = (num_blocks, width)
-        self._pending_member = None
+        self._pending_member, self._pending_basis = None, None
         if set(map(type, blk_lists)) != {list}:  # arrays and tuples: converted every step
             self._pending, self._pending_order = ({}, None), None
             return flatten_ids(blk_lists, count), None, False
@@ -106,7 +111,7 @@ class BlockIdCache:
             same = list(map(operator.eq, blk_lists, [entry[0] for entry in order[1]]))
             if all(same):   # every list unchanged since a step that passed: in range, distinct
                 self._pending, self._pending_order = (self._rows, limits), order
-                self._pending_member = []
+                self._pending_member, self._pending_basis = [], (self.version, ())
                 return order[2][0], order[2][1], len(set(keys)) == len(keys)
             entries, grown = [], []
             for entry, ok, ids in zip(order[1], same, blk_lists):
@@ -123,6 +128,7 @@ class BlockIdCache:
                                                                                        shared)
             result = self._result(keys, entries, limits, checked)
             self._pending_member = grown if checked else None
+            self._pending_basis = (self.version, tuple(grown)) if checked else None
             return result
         rows = self._rows if limits == self._limits else {}
         entries, checked = [], True
@@ -156,10 +162,19 @@ class BlockIdCache:
         """The step just looked up passed every check: its lists are the ones to compare with next."""
         self._rows, self._limits = self._pending
         self._order = self._pending_order
+        self.version += 1
+        self._basis = (*(self._pending_basis or (None, ())), self.version)
         if self._pending_member is None:
             self._member = None           # other lists: rebuilt from them when a step needs it
         elif self._member is not None:
             self._member[self._pending_member] = True
+
+    def basis(self) -> tuple[int | None, tuple, int]:
+        """For the decode step just committed: (the version its lists are, some grown, or None when
+        they are other lists; the ids they appended to that version's; the step's own version). The
+        page ledger (``BlockAllocator.check``) then checks the appended ids' owners only, if it found
+        every id of that version's lists owned and no page has lost an owner since."""
+        return self._basis
 
 
 def _packed(ids: list, width: int) -> tuple[bytes, bytes | None]:

@@ -73,6 +73,10 @@ class BlockAllocator:
         self.written = np.zeros(num_blocks, dtype=np.int32)     # leading positions of each page written
         self.num_cached = 0                                     # cached pages, owned or evictable
         self.evictions = 0
+        # releases so far, and (a BlockIdCache version, the releases then) whose lists' every id was
+        # owned: while no page loses an owner, those lists are still owned (see ``check``)
+        self._releases = 0
+        self._owned_lists: tuple[int, int] | None = None
         self.on_evict: Callable[[int], None] | None = None
 
     @property
@@ -133,6 +137,7 @@ class BlockAllocator:
         evictable: pages are released in the order given, and the first released is evicted first
         (pass a request's pages last page first, so its tail goes before the prefix others share)."""
         ids = self._owned(ids, "release")
+        self._releases += 1
         self._owners[ids] -= 1
         freed = []
         for i in ids:
@@ -182,6 +187,7 @@ class BlockAllocator:
         self._free, self._evictable = list(other._free), OrderedDict(other._evictable)
         self._owners[:], self.cached[:], self.written[:] = other._owners, other.cached, other.written
         self.num_cached = other.num_cached
+        self._releases += 1
 
     def mark_written(self, ids: Sequence[int], num_positions: int, block_size: int) -> None:
         """Declare the first ``num_positions`` positions of a request's pages ``ids`` written, for
@@ -210,16 +216,20 @@ class BlockAllocator:
         (num_blocks,) bool mask for the planner; None while there are none."""
         return self.cached if self.num_cached else None
 
-    def check(self, plan, who) -> None:
+    def check(self, plan, who, basis: tuple[int | None, tuple, int] | None = None) -> None:
         """Raise ``ValueError`` naming the chunk if a real request of ``plan`` names a page that is
         not allocated, reads (attends to) a position no earlier step wrote, or writes a shared page
         (cached, or of several owners: only while any page is cached, since only cached pages can be
-        shared, so a runner without prefix caching pays nothing for it). ``who(i)`` names chunk i."""
+        shared, so a runner without prefix caching pays nothing for it). ``who(i)`` names chunk i.
+        ``basis``: a decode step's ``BlockIdCache.basis()``; when its lists are those of a version
+        whose every id was found owned, no page has lost an owner since, and the ids appended to
+        them are owned, the table's owners are not gathered again (most steps of a decode batch).
+        The written positions are checked every step."""
         # Tiny arrays at small batches: each numpy call costs about a microsecond, so this uses few
         # (np.count_nonzero, not .any(); a subtraction, not np.diff; cached aranges; Python ints for
         # a few requests).
         if plan.num_reqs > _FEW or not self._few_ok(plan):   # the vectorised check, which also names the culprit
-            self._check_all(plan, who)
+            self._check_all(plan, who, basis)
         if self.num_cached:
             self._check_writes(plan, who)
 
@@ -236,14 +246,17 @@ class BlockAllocator:
                 return False
         return True
 
-    def _check_all(self, plan, who) -> None:
+    def _check_all(self, plan, who, basis: tuple[int | None, tuple, int] | None = None) -> None:
         nr, bs = plan.num_reqs, plan.block_size
         seq, qsl = plan.seq_lens[:nr], plan.query_start_loc
         context = seq - (qsl[1: nr + 1] - qsl[:nr])
         table = plan.block_table[:nr]
         # every id in the table allocated (its padding, block 0, is not): then so is every used page,
         # without building the (requests, width) mask of which pages each request uses
-        if np.count_nonzero(self._owners[table]) == np.count_nonzero(table):
+        if (basis is not None and basis[0] is not None and self._owned_lists == (basis[0], self._releases)
+                and (not basis[1] or np.count_nonzero(self._owners[list(basis[1])]) == len(basis[1]))):
+            unallocated = None                                # the owned lists of ``basis[0]``, grown by owned ids
+        elif np.count_nonzero(self._owners[table]) == np.count_nonzero(table):
             unallocated = None
         else:
             used = _arange(table.shape[1])[None, :] < ((seq + (bs - 1)) // bs)[:, None]   # pages each request uses
@@ -252,6 +265,7 @@ class BlockAllocator:
             r, c = np.argwhere(unallocated)[0]
             raise ValueError(f"{who(int(r))}: block_ids: block {int(table[r, c])} (page {int(c)}) is not allocated "
                              "(never handed out by runner.blocks, or freed)")
+        self._owned_lists = (basis[2], self._releases) if basis is not None and unallocated is None else None
         last = np.maximum(context - 1, 0)
         have = self.written[table[_arange(nr), last // bs]]
         short = (context > 0) & (have <= last % bs)

@@ -165,7 +165,8 @@ class FullGraphRunner:
         target = Target(self.fields, self.policy, values, self.buffers.staging() if pad else None)
         plan = plan_with_cache(chunks, cfg, target, pad, cfg.num_blocks, self.vocab_size, self._block_ids,
                                self.blocks.shared_pages())  # cached pages may be named by several chunks
-        self.blocks.check(plan, lambda i: _who(chunks, i))  # pages owned, context written, no shared page written
+        self.blocks.check(plan, lambda i: _who(chunks, i),  # pages owned, context written, no shared page written
+                          self._block_ids.basis() if plan.decode_only else None)
         for backend in self._preparers:
             reason = backend.prepare(plan)
             if reason:

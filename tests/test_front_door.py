@@ -66,6 +66,37 @@ def test_page_ledger_of_many_requests_checks_only_used_pages():
     refused(runner, grows, f"chunk 4: block_ids: block {spare[0]} \\(page 1\\) is not allocated")
 
 
+def test_page_ledger_reuses_owned_lists_only_while_no_page_was_released():
+    """A decode batch's lists, found owned, are not gathered again while they only grow by owned
+    pages and no page loses an owner; a page freed under unchanged lists, an appended page never
+    allocated, and a refused step's lists sent again are each still refused."""
+    runner = fg.FullGraphRunner(toy_model(), validate=True, **{**LIMITS, "max_num_seqs": 8})
+    lists = [runner.blocks.allocate(1) for _ in range(6)]
+    runner.step([fg.SeqChunk([i + 1, 2, 3], 0, ids) for i, ids in enumerate(lists)])
+    decode = lambda pos: [fg.SeqChunk([5], pos, ids) for ids in lists]   # noqa: E731
+    for pos in (3, 4):
+        runner.step(decode(pos))
+    cache = runner._block_ids
+    assert cache.basis()[0] == cache.version - 1 and runner.blocks._owned_lists[0] == cache.version
+    victim = lists[2][0]
+    runner.blocks.free([victim])
+    refused(runner, decode(5), f"chunk 2: block_ids: block {victim} \\(page 0\\) is not allocated")
+    runner.blocks.allocate(1)                                          # the victim again, owned by nobody's list
+    lists[2] = runner.blocks.allocate(1)                               # chunk 2 restarts on a page of its own
+    runner.step([fg.SeqChunk([1, 2, 3, 4, 5], 0, lists[2])])
+    runner.step(decode(5))
+    runner.step(decode(6))                                             # compared with the last: owned, none released
+    runner.step([fg.SeqChunk(list(range(9)), 7, lists[4])])            # chunk 4's first page full
+    never = runner.config.num_blocks - 1                               # never handed out
+    assert not runner.blocks.is_allocated(never)
+    lists[4].append(never)                                             # the list grown in place, as an engine does
+    grown = [fg.SeqChunk([5], 16 if i == 4 else 7, ids) for i, ids in enumerate(lists)]
+    refused(runner, grown, f"chunk 4: block_ids: block {never} \\(page 1\\) is not allocated")
+    refused(runner, grown, f"chunk 4: block_ids: block {never} \\(page 1\\) is not allocated")
+    lists[4][-1] = runner.blocks.allocate(1)[0]
+    runner.step(grown)
+
+
 @pytest.mark.parametrize("chunk, match", [
     (fg.SeqChunk([7.9], 3, [1]), "token_ids: expected ints, got float 7.9"),
     (fg.SeqChunk(["7"], 3, [1]), "token_ids: expected ints, got str"),
