@@ -58,6 +58,9 @@ def flatten_ids(seqs: list[Sequence[int]], count: int) -> np.ndarray:
         raise
 
 
+_VERSIONS = itertools.count(1)   # BlockIdCache versions, never reused
+
+
 class BlockIdCache:
     """The block ids of a runner's last valid decode step, kept for the next one.
 
@@ -87,11 +90,12 @@ class BlockIdCache:
         # and what the step looked up does to it once committed (ids to add, or None: drop it)
         self._member: np.ndarray | None = None
         self._pending_member: list[int] | None = None
-        # commits so far; what the step being looked up adds to the committed one (the ids its lists
-        # appended; () for none) or None (other lists), and that once committed (see ``basis``)
-        self.version = 0
+        # the committed step's version (unique in the process, so a ledger shared by two caches cannot
+        # mistake one's lists for the other's); what the step being looked up adds to the committed one
+        # (the ids its lists appended; () for none) or None (other lists), and that once committed
+        self.version = next(_VERSIONS)
         self._pending_basis: tuple[int, tuple] | None = None
-        self._basis: tuple[int | None, tuple, int] = (None, (), 0)
+        self._basis: tuple[int | None, tuple, int] = (None, (), self.version)
 
     def lookup(self, blk_lists: list[Sequence[int]], count: int, num_blocks: int, width: int,
                shared: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None, bool]:
@@ -162,7 +166,7 @@ class BlockIdCache:
         """The step just looked up passed every check: its lists are the ones to compare with next."""
         self._rows, self._limits = self._pending
         self._order = self._pending_order
-        self.version += 1
+        self.version = next(_VERSIONS)
         self._basis = (*(self._pending_basis or (None, ())), self.version)
         if self._pending_member is None:
             self._member = None           # other lists: rebuilt from them when a step needs it

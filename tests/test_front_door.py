@@ -74,10 +74,11 @@ def test_page_ledger_reuses_owned_lists_only_while_no_page_was_released():
     lists = [runner.blocks.allocate(1) for _ in range(6)]
     runner.step([fg.SeqChunk([i + 1, 2, 3], 0, ids) for i, ids in enumerate(lists)])
     decode = lambda pos: [fg.SeqChunk([5], pos, ids) for ids in lists]   # noqa: E731
-    for pos in (3, 4):
-        runner.step(decode(pos))
     cache = runner._block_ids
-    assert cache.basis()[0] == cache.version - 1 and runner.blocks._owned_lists[0] == cache.version
+    runner.step(decode(3))
+    first = cache.version
+    runner.step(decode(4))                                             # the lists of ``first``: not gathered
+    assert cache.basis() == (first, (), cache.version) and runner.blocks._owned_lists[0] == cache.version
     victim = lists[2][0]
     runner.blocks.free([victim])
     refused(runner, decode(5), f"chunk 2: block_ids: block {victim} \\(page 0\\) is not allocated")
