@@ -94,19 +94,23 @@ def _register_search(cid, ok, x_row, vocab, inv_t, s_max, floor_v, base, target,
     """Exact threshold over the tokens ``cid[ok]`` held in registers (-inf: all pass), and their
     mass at or above it."""
     s = _scaled(x_row, tl.where(ok, cid, vocab), vocab, inv_t)
-    return _value_search(s, tl.exp(s - s_max), ok, x_row, floor_v, base, target, BY_MASS, P)
-
-
-@triton.jit
-def _value_search(s, e, ok, x_row, floor_v, base, target, BY_MASS: tl.constexpr, P: tl.constexpr):
-    """:func:`_register_search` over scores ``s`` (and ``e = exp(s - s_max)``) already loaded."""
+    e = tl.exp(s - s_max)
     sv = tl.where(ok, s, NEG_INF)
     keys = _key(s)
     lo = tl.min(tl.where(ok, keys, INT_MAX), 0).to(tl.int64) - 1
     hi = tl.max(tl.where(ok, keys, -INT_MAX), 0).to(tl.int64) + 1
-    kk = _search(lo, hi, floor_v, base, target, sv, e, x_row, 1, 1.0, 0.0, x_row, BY_MASS, False, 1, 1, 1, P)
+    kk = _search(lo, hi, floor_v, base, target, sv, e, x_row, vocab, inv_t, s_max, x_row, BY_MASS, False, 1, 1, 1, P)
     v = tl.where(kk > lo, _unkey(kk.to(tl.int32)), NEG_INF)
     return v, tl.sum(tl.where(sv >= tl.maximum(v, floor_v), e, 0.0), 0)
+
+
+@triton.jit
+def _winner(cid, s, keep, seed, offset):
+    """(score, id) of the Gumbel winner among the tokens ``cid[keep]`` of scores ``s``: the highest
+    ``s + noise``, the lowest id among equal ones."""
+    score = tl.where(keep, s + _noise_at(cid, seed, offset), NEG_INF)
+    m = tl.max(score, 0)
+    return m, tl.min(tl.where(keep & (score == m), cid, INT_MAX), 0)
 
 
 @triton.jit
@@ -118,9 +122,7 @@ def _list_winner(x_row, ends_ptr, cand_ptr, row, num_chunks, seg_cap, n_list, vo
         cid, ok = _list_ids(ends_ptr, cand_ptr, row, num_chunks, seg_cap, start, LB, C_PAD, C_BITS)
         s = _scaled(x_row, tl.where(ok, cid, vocab), vocab, inv_t)
         keep = ok & (s > NEG_INF) & (s >= v_k) & (s >= v_p) & (tl.exp(s - s_max) >= min_p)
-        score = tl.where(keep, s + _noise_at(cid, seed, offset), NEG_INF)
-        m = tl.max(score, 0)
-        m_id = tl.min(tl.where(keep & (score == m), cid, INT_MAX), 0)
+        m, m_id = _winner(cid, s, keep, seed, offset)
         best_id = tl.where((m > best) | ((m == best) & (m_id < best_id)), m_id, best_id)
         best = tl.maximum(best, m)
     return best, best_id
@@ -223,34 +225,13 @@ def _small_list_ids(ends, cand_ptr, row, num_chunks, seg_cap, N: tl.constexpr):
 
 
 @triton.jit
-def _direct(x_row, ends, cand_ptr, row, num_chunks, seg_cap, vocab, inv_t, s_max, z, n_hi, mass_hi, top_k, top_p,
-            min_p, seed, offset, CB: tl.constexpr, P: tl.constexpr):
-    """(v_k, v_p, score, id) with the whole undecided list (<= CB tokens) in registers: the exact
-    thresholds, then the Gumbel winner among the listed tokens they and min-p keep (as
-    :func:`_list_winner`, over the same registers instead of a second walk of the list)."""
-    cid, ok = _small_list_ids(ends, cand_ptr, row, num_chunks, seg_cap, CB)
-    s = _scaled(x_row, tl.where(ok, cid, vocab), vocab, inv_t)
-    e = tl.exp(s - s_max)
-    v_k = tl.full([], NEG_INF, tl.float32)
-    if (top_k > 0) & (top_k < vocab):
-        v_k, m_k = _value_search(s, e, ok, x_row, v_k, n_hi, top_k, False, P)
-        z = mass_hi + m_k
-    v_p = tl.full([], NEG_INF, tl.float32)
-    if top_p < 1.0:
-        v_p, _ = _value_search(s, e, ok, x_row, v_k, mass_hi, top_p * z, True, P)
-    keep = ok & (s > NEG_INF) & (s >= v_k) & (s >= v_p) & (e >= min_p)
-    score = tl.where(keep, s + _noise_at(cid, seed, offset), NEG_INF)
-    m = tl.max(score, 0)
-    return v_k, v_p, m, tl.min(tl.where(keep & (score == m), cid, INT_MAX), 0)
-
-
-@triton.jit
 def _sorted(x_row, ends, cand_ptr, row, num_chunks, seg_cap, vocab, inv_t, s_max, z, n_hi, mass_hi, top_k, top_p,
             min_p, seed, offset, N: tl.constexpr):
-    """:func:`_direct` for a list of at most N tokens by one sort instead of two searches: the
-    scores in descending order (an int64 of the order-preserving key and the lane), v_k the
-    (k - n_hi)-th of them, v_p the first at which the running mass above the list plus the
-    sorted masses down to it reach ``top_p * Z_k``."""
+    """(v_k, v_p, score, id) for a list of at most N tokens, held in registers, by one sort instead
+    of two key searches: the scores in descending order (an int64 of the order-preserving key and
+    the lane), v_k the (k - n_hi)-th of them, v_p the first at which the running mass above the list
+    plus the sorted masses down to it reach ``top_p * Z_k``; then the Gumbel winner among the listed
+    tokens they and min-p keep (as :func:`_list_winner`, over the same registers)."""
     cid, ok = _small_list_ids(ends, cand_ptr, row, num_chunks, seg_cap, N)
     s = tl.where(ok, _scaled(x_row, tl.where(ok, cid, vocab), vocab, inv_t), NEG_INF)
     e = tl.exp(s - s_max)
@@ -266,10 +247,8 @@ def _sorted(x_row, ends, cand_ptr, row, num_chunks, seg_cap, vocab, inv_t, s_max
         above = mass_hi + tl.cumsum(tl.where(ss >= v_k, tl.exp(ss - s_max), 0.0), 0)
         at = tl.sum((above < top_p * z).to(tl.int32), 0)  # the first position whose running mass reaches the cut
         v_p = tl.max(tl.where(i == at, ss, NEG_INF), 0)
-    keep = ok & (s > NEG_INF) & (s >= v_k) & (s >= v_p) & (e >= min_p)
-    score = tl.where(keep, s + _noise_at(cid, seed, offset), NEG_INF)
-    m = tl.max(score, 0)
-    return v_k, v_p, m, tl.min(tl.where(keep & (score == m), cid, INT_MAX), 0)
+    m, m_id = _winner(cid, s, ok & (s > NEG_INF) & (s >= v_k) & (s >= v_p) & (e >= min_p), seed, offset)
+    return v_k, v_p, m, m_id
 
 
 @triton.jit
@@ -336,15 +315,10 @@ def _unchained(logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, 
         best_id = tl.min(tl.where(scores == best, ids, INT_MAX), 0)
         n_hi = tl.load(zrow + 5)
         x_row = logits_ptr + row * stride_l
-        if (n_list > 0) & (n_list <= CB_SMALL):                 # a short list (a top-k of 50): one pass in registers
+        if (n_list > 0) & (n_list <= CB_SORT):                  # a short list (a top-k of 50): sorted in registers
             counts = tl.load(part_i_ptr + (row * num_chunks + cs) * 3 + 2, mask=cs < num_chunks, other=0)
-            if n_list <= CB_SORT:
-                v_k, v_p, m, m_id = _sorted(x_row, tl.cumsum(counts, 0), cand_ptr, row, num_chunks, seg_cap, vocab,
-                                            inv_t, s_max, z, n_hi, mass_hi, top_k, top_p, min_p, seed, offset, CB_SORT)
-            else:
-                v_k, v_p, m, m_id = _direct(x_row, tl.cumsum(counts, 0), cand_ptr, row, num_chunks, seg_cap, vocab,
-                                            inv_t, s_max, z, n_hi, mass_hi, top_k, top_p, min_p, seed, offset,
-                                            CB_SMALL, 8)
+            v_k, v_p, m, m_id = _sorted(x_row, tl.cumsum(counts, 0), cand_ptr, row, num_chunks, seg_cap, vocab,
+                                        inv_t, s_max, z, n_hi, mass_hi, top_k, top_p, min_p, seed, offset, CB_SORT)
             tl.store(zrow + THRESHOLDS, v_k.to(tl.int32, bitcast=True))       # for tests and inspection
             tl.store(zrow + THRESHOLDS + 1, v_p.to(tl.int32, bitcast=True))
             best_id = tl.where((m > best) | ((m == best) & (m_id < best_id)), m_id, best_id)
@@ -353,7 +327,10 @@ def _unchained(logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, 
             scratch_row = scratch_ptr + row * (CB + C_PAD)
             ends = scratch_row + CB                                # the list's segment ends, after the ids
             _segment_ends(part_i_ptr, ends, row, num_chunks, C_PAD)
-            if n_list <= CB:
+            if n_list <= CB_SMALL:
+                v_k, v_p = _direct_thresholds(x_row, ends, cand_ptr, row, num_chunks, seg_cap, vocab, inv_t,
+                                              s_max, z, n_hi, mass_hi, top_k, top_p, CB_SMALL, 8, C_PAD, C_BITS)
+            elif n_list <= CB:
                 v_k, v_p = _direct_thresholds(x_row, ends, cand_ptr, row, num_chunks, seg_cap, vocab, inv_t,
                                               s_max, z, n_hi, mass_hi, top_k, top_p, CB, 2, C_PAD, C_BITS)
             else:
