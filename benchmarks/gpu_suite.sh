@@ -22,6 +22,7 @@
 #   b32-h200 (llama-1b at 8 and 32 rows: the split-K linear against cuBLAS, each also with split decode attention, and profiles)
 #   sweep-attention (decode attention's splits and launch configs)
 #   host-calls (the cost of one Python, numpy and CUDA call on the machine)
+#   loop-profile (the overlapped decode loop's device timeline: ops outside the graph, idle time)
 # Logs and JSON land in $OUT (or ./out); each part has its own time limit so a call stays bounded.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -335,6 +336,12 @@ host)  # a decode step's host work by stage (plan, ledger, upload, launch, outpu
     # the engine's step by phase on the same machine (the forward runs: collect includes the wait)
     run engine_host_llama1b 150 python3 -m fullgraph.bench engine-host --preset llama-1b --batch 1 64 \
         --output-kind cumulative delta --steps 100 --out "$OUT/engine_host_llama1b.json"
+    ;;
+loop-profile)  # the device timeline of the overlapped decode loop: what runs outside the graph, and idle time
+    run loop_profile_llama1b 150 python3 benchmarks/profile_loop.py --preset llama-1b --batch 1 32 \
+        --out "$OUT/loop_profile_llama1b.json"
+    run loop_profile_smollm2 90 python3 benchmarks/profile_loop.py --preset smollm2-135m --batch 1 \
+        --out "$OUT/loop_profile_smollm2.json"
     ;;
 host-calls)  # what one Python / numpy / CUDA call costs on this machine (the host stages' ingredients)
     run host_calls 60 python3 benchmarks/host_calls.py --out "$OUT/host_calls.json"
