@@ -342,6 +342,11 @@ loop-profile)  # the device timeline of the overlapped decode loop: what runs ou
         --out "$OUT/loop_profile_llama1b.json"
     run loop_profile_smollm2 90 python3 benchmarks/profile_loop.py --preset smollm2-135m --batch 1 \
         --out "$OUT/loop_profile_smollm2.json"
+    # the engine's graph (ids fed back, greedy sampling inside) kernel by kernel, PDL off (times that add up) and on
+    for pdl in 0 1; do
+        FULLGRAPH_PDL=$pdl run "profile_sampling_pdl$pdl" 90 python3 benchmarks/profile_step.py --preset llama-1b \
+            --batch 1 32 --context 1024 --sampling --top 40 --out "$OUT/profile_sampling_pdl$pdl.json"
+    done
     ;;
 host-calls)  # what one Python / numpy / CUDA call costs on this machine (the host stages' ingredients)
     run host_calls 60 python3 benchmarks/host_calls.py --out "$OUT/host_calls.json"

@@ -6,8 +6,8 @@ outside its captured graph and the device's idle time, per step.
 An overlapped decode step (``bench decode --loop overlap``) is longer than the graph's replay
 (H200, llama-1b batch 1: 0.884 against 0.839 ms). Per batch and loop this profiles ``--steps``
 steps of the loop and as many replays of the graph alone (CUPTI, ``torch.profiler``) and prints,
-per step: the loop's span, the device's busy and idle time, and each op the loop runs that the
-replays do not (by kernel name: the upload, the ids' clamp, the logits' copy, the argmax, the
+per step: the loop's span, the device's busy and idle time (and which ops the idle time
+preceded), and each op the loop runs that the replays do not (by kernel name: the upload, the ids' clamp, the logits' copy, the argmax, the
 ids' copy back, ...). Loops: ``logits`` (the runner returns logits, the loop takes their argmax:
 ``bench decode``'s overlapped loop) and ``sampled`` (greedy sampling inside the graph, each step
 taking the last step's ids on the device through ``prev_token_row``: the engine's decode step).
@@ -34,9 +34,11 @@ def timeline(events: list[tuple[str, float, float]], steps: int, replay_counts: 
     events = sorted(events, key=lambda e: e[1])
     span = events[-1][2] - events[0][1]
     busy, cur_start, cur_end = 0.0, events[0][1], events[0][2]
-    for _, start, end in events[1:]:
+    idle_before = Counter()   # name -> the device's idle time just before such an op started
+    for name, start, end in events[1:]:
         if start > cur_end:
             busy += cur_end - cur_start
+            idle_before[name] += start - cur_end
             cur_start, cur_end = start, end
         else:
             cur_end = max(cur_end, end)
@@ -51,7 +53,8 @@ def timeline(events: list[tuple[str, float, float]], steps: int, replay_counts: 
         if beyond > 0:
             extra[name] = (beyond / steps, times[name] / n * beyond / steps)
     return {"span_us": span / steps, "busy_us": busy / steps, "idle_us": (span - busy) / steps,
-            "outside": dict(sorted(extra.items(), key=lambda kv: -kv[1][1]))}
+            "outside": dict(sorted(extra.items(), key=lambda kv: -kv[1][1])),
+            "idle_before": {name: us / steps for name, us in idle_before.most_common(8)}}
 
 
 def _device_events(prof) -> list[tuple[str, float, float]]:
@@ -132,7 +135,8 @@ def profile_loop(model, args, batch: int, sampled: bool) -> dict:
             "step_ms": step_ms, "wall_ms": (time.perf_counter() - start) * 1e3, "loop_span_us": loop["span_us"],
             "loop_busy_us": loop["busy_us"], "loop_idle_us": loop["idle_us"], "replay_span_us": replay["span_us"],
             "replay_busy_us": replay["busy_us"], "replay_idle_us": replay["idle_us"],
-            "outside": {name: {"launches": n, "us": us} for name, (n, us) in loop["outside"].items()}}
+            "outside": {name: {"launches": n, "us": us} for name, (n, us) in loop["outside"].items()},
+            "loop_idle_before": loop["idle_before"], "replay_idle_before": replay["idle_before"]}
 
 
 def print_row(r: dict) -> None:
@@ -143,6 +147,10 @@ def print_row(r: dict) -> None:
     print(f"{'us a step':>9s} {'x':>5s}  outside the graph")
     for name, v in r["outside"].items():
         print(f"{v['us']:9.2f} {v['launches']:5.2f}  {name[:110]}")
+    for which in ("loop", "replay"):
+        print(f"{'us a step':>9s}  the {which}'s idle time, by the op it preceded")
+        for name, us in r[f"{which}_idle_before"].items():
+            print(f"{us:9.2f}  {name[:110]}")
 
 
 def main() -> None:

@@ -33,7 +33,7 @@ KINDS = (
     ("rope + KV write", r"rope|kv_write"),
     ("norm", r"_norm_kernel|norm"),
     ("activation", r"_gated_kernel|silu|gelu"),
-    ("sampling + output", r"_select_kernel|_max_kernel|_hist_kernel|_compact_kernel|argmax|topk|sort|softmax|"
+    ("sampling + output", r"_select_kernel|_scan_kernel|_max_kernel|_hist_kernel|_compact_kernel|argmax|topk|sort|softmax|"
                           r"distribution|exponential|multinomial"),
     ("linear", r"_linear_kernel|_norm_linear_kernel|gemm|gemv|nvjet|cutlass|xmma|splitK|splitk|matmul|sm90"),
     ("copy / fill", r"Memcpy|Memset|copy|fill|index|gather|scatter|elementwise|reduce_kernel|cat"),
@@ -109,7 +109,8 @@ def profile_batch(model, args, batch: int) -> dict:
 
     max_len = -(-(args.context + 64) // 256) * 256
     runner = FullGraphRunner(model, max_num_seqs=batch, max_num_tokens=max(batch, 16), max_model_len=max_len,
-                             cudagraph=args.mode, attention=args.attention, capture_sizes=(batch,))
+                             cudagraph=args.mode, attention=args.attention, capture_sizes=(batch,),
+                             sampling=args.sampling)
     runner.warmup()
     time_decode(runner, batch, args.context, steps=3, warmup=2)   # the buffers now hold a real decode step
     key = (batch, True)
@@ -145,11 +146,12 @@ def profile_batch(model, args, batch: int) -> dict:
     torch.cuda.empty_cache()
     from fullgraph.kernels import pdl
     return {"preset": args.preset, "batch": batch, "context": args.context, "mode": args.mode,
-            "attention": args.attention, "pdl": pdl._enabled(torch.cuda.current_device()), **result}
+            "attention": args.attention, "sampling": args.sampling, "pdl": pdl._enabled(torch.cuda.current_device()), **result}
 
 
 def print_result(r: dict) -> None:
-    print(f"\n{r['preset']} batch {r['batch']} context {r['context']} {r['mode']} ({r['attention']}): "
+    print(f"\n{r['preset']} batch {r['batch']} context {r['context']} {r['mode']} ({r['attention']}"
+          f"{', sampling in the graph' if r.get('sampling') else ''}): "
           f"{r['launches']} launches a step, {r['launches_per_layer']:.1f} a decoder layer; kernels "
           f"{r['kernels_ms']:.3f} ms, replay {r['replay_ms']:.3f} ms, gaps {r['gaps_ms']:.3f} ms")
     if r.get("pdl"):
@@ -178,6 +180,8 @@ def main() -> None:
     p.add_argument("--attention", default="triton")
     p.add_argument("--mode", choices=("full", "padded"), default="full")
     p.add_argument("--replays", type=int, default=10, help="replays (or eager steps) profiled")
+    p.add_argument("--sampling", action="store_true",
+                   help="the engine's step: ids fed back on the device and sampled in the graph (greedy rows)")
     p.add_argument("--top", type=int, default=20, help="kernels printed per batch")
     p.add_argument("--out", default=None)
     args = p.parse_args()

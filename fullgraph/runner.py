@@ -12,7 +12,7 @@ from torch import nn
 from . import _compat, padding, sampling
 from .attention import AttentionBackend, AttentionMetadata, BackendLimits
 from .attention.backends import resolve_backends
-from .block_ids import BlockIdCache
+from .block_ids import BlockIdCache, all_ints, is_int
 from .buffers import StaticBuffers
 from .compile import CompiledStep
 from .config import RunnerConfig, resolve_mode
@@ -162,6 +162,8 @@ class FullGraphRunner:
         if cfg.structured and values and values.get("token_bitmask") is None and any(values.get("constrained", ())):
             raise ValueError("values['constrained'] marks constrained rows but values['token_bitmask'] is missing "
                              "(the masks of earlier steps are not kept)")
+        if cfg.sampling and values and values.get("prev_token_row") is not None:
+            _check_prev_rows(values["prev_token_row"], cfg.max_num_seqs)
         target = Target(self.fields, self.policy, values, self.buffers.staging() if pad else None)
         plan = plan_with_cache(chunks, cfg, target, pad, cfg.num_blocks, self.vocab_size, self._block_ids,
                                self.blocks.shared_pages())  # cached pages may be named by several chunks
@@ -262,8 +264,7 @@ class FullGraphRunner:
                                                self.backends)
         input_ids = inputs["input_ids"]
         if self.config.sampling:  # ids sampled by the previous step, read where they lie on the device
-            prev = inputs["prev_token_row"]
-            input_ids = torch.where(prev >= 0, inputs["feedback"][prev.clamp(min=0)], input_ids)
+            input_ids = sampling.fed_back_ids(input_ids, inputs["prev_token_row"], inputs["feedback"])
         hidden = self.model(input_ids, inputs["positions"], self.kv_caches, metadata)             # (T, hidden)
         logits = self.model.compute_logits(hidden[inputs["logits_indices"]])                      # (R, vocab) float32
         if not self.config.sampling:
@@ -384,3 +385,14 @@ class FullGraphRunner:
         return (f"steps={s['steps']} tokens={s['tokens']} padding={s['padding_waste']:.1%} "
                 f"graph_hits={sum(s['graph_hits'].values())} fallbacks={sum(s['eager_fallbacks'].values())} "
                 f"graphs={s['graphs']} capture={s['capture_seconds']:.2f}s/{s['graph_bytes'] / 2**20:.1f}MiB")
+
+
+def _check_prev_rows(rows: Sequence[int], limit: int) -> None:
+    """``values['prev_token_row']``: ints, each -1 (the token keeps its own id) or a row of the
+    previous step's samples in ``[0, limit)``; a ``ValueError`` naming the first other one."""
+    if len(rows) and all_ints(rows) and -1 <= min(rows) and max(rows) < limit:
+        return
+    for t, row in enumerate(rows):
+        if not is_int(row) or not -1 <= row < limit:
+            raise ValueError(f"values['prev_token_row'][{t}] = {row!r:.40}: expected -1 (the token's own id) or an "
+                             f"int row of the previous step's samples in [0, {limit})")

@@ -42,8 +42,9 @@ from torch import Tensor
 
 try:
     from .kernels import sampling as _kernel
+    from .kernels.fed_back import fed_back_ids as _fed_back_kernel
 except ImportError:  # no Triton (e.g. macOS): the reference everywhere
-    _kernel = None
+    _kernel = _fed_back_kernel = None
 
 _PHILOX_M = (0xD2511F53, 0xCD9E8D57)
 _PHILOX_W = (0x9E3779B9, 0xBB67AE85)
@@ -131,6 +132,39 @@ def sample(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, mi
                             offsets=offsets))
         return _kernel.sample(logits, temperature, top_k, top_p, min_p, seeds, offsets)
     return sample_reference(logits, temperature, top_k, top_p, min_p, seeds, offsets)
+
+
+def fed_back_ids(input_ids: Tensor, prev_token_row: Tensor, feedback: Tensor) -> Tensor:
+    """A step's ids with the previous step's samples fed back: ``feedback[prev_token_row[t]]`` where
+    that row is >= 0, else ``input_ids[t]``. One Triton launch on CUDA (four PyTorch kernels
+    otherwise; under ``torch.compile`` one opaque op either way)."""
+    if input_ids.is_cuda and _fed_back_kernel is not None:
+        return _fed_back_kernel(input_ids, prev_token_row, feedback)
+    return torch.where(prev_token_row >= 0, feedback[prev_token_row.clamp(min=0)], input_ids)
+
+
+def greedy(logits: Tensor) -> Tensor:
+    """(R,) int64: each row's argmax, ties -> lowest id, NaN counted as ``-inf`` (an all ``-inf``
+    row gives 0): :func:`sample` with every row greedy. On CUDA that is the kernel's greedy path,
+    a quarter of ``torch.argmax``'s time on a large vocabulary (H100, V = 128,256: 5.5 / 12.8 us at
+    1 / 32 rows against 27): a decode loop that picks its tokens outside the graph uses this."""
+    if not (logits.is_cuda and _kernel is not None):
+        x = logits.float()
+        return torch.where(torch.isnan(x), float("-inf"), x).argmax(dim=-1)
+    return _kernel.sample(logits, *_greedy_params(logits.shape[0], logits.device))
+
+
+_GREEDY: dict[tuple[int, torch.device], tuple[Tensor, ...]] = {}
+
+
+def _greedy_params(rows: int, device: torch.device) -> tuple[Tensor, ...]:
+    """temperature 0 and every filter off for ``rows`` rows, made once per (rows, device)."""
+    key = (rows, device)
+    if key not in _GREEDY:
+        f = torch.zeros(rows, dtype=torch.float32, device=device)
+        i = torch.zeros(rows, dtype=torch.int64, device=device)
+        _GREEDY[key] = (f, torch.zeros(rows, dtype=torch.int32, device=device), f + 1, f, i, i)
+    return _GREEDY[key]
 
 
 def token_logprobs(logits: Tensor, ids: Tensor, num_top: int) -> tuple[Tensor, Tensor, Tensor]:

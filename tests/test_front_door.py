@@ -130,6 +130,19 @@ def test_device_token_ids_out_of_the_vocabulary():
     assert torch.equal(a, b)
 
 
+def test_fed_back_rows_out_of_range_are_refused():
+    runner = fg.FullGraphRunner(toy_model(), sampling=True, validate=True, **LIMITS)
+    pages = [runner.blocks.allocate(1) for _ in range(2)]
+    runner.step([fg.SeqChunk([3, 4], 0, pages[0]), fg.SeqChunk([5], 0, pages[1])])
+    chunks = [fg.SeqChunk([0], 2, pages[0]), fg.SeqChunk([0], 1, pages[1])]
+    for rows, bad in (([0, 4], "\\[1\\] = 4"), ([-2, 1], "\\[0\\] = -2"), ([0, 1.0], "\\[1\\] = 1.0"),
+                      ([True, 1], "\\[0\\] = True")):
+        refused(runner, chunks, f"values\\['prev_token_row'\\]{bad}: expected -1 .* in \\[0, 4\\)",
+                values={"prev_token_row": rows})
+    out = runner.step(chunks, values={"prev_token_row": [1, -1]})           # in range: runs
+    assert out.token_ids.shape == (2,)
+
+
 def test_greedy_refuses_what_it_cannot_do():
     runner = fg.FullGraphRunner(toy_model(), **LIMITS)
     for prompts, n, match in (([[]], 4, "prompt 0: empty"), ([[1, 2]], 0, "max_new_tokens"),

@@ -24,6 +24,8 @@ def test_timeline_splits_busy_idle_and_the_ops_outside_the_graph():
     assert t["outside"]["c"] == pytest.approx((1.0, 4.0))
     assert t["outside"]["up"] == pytest.approx((1.0, 4.0))
     assert profile_loop.timeline(events, 2)["outside"]["a"] == pytest.approx((2.0, 20.0))   # no replay: all of it
+    # idle 10-12 and 50-52 before "b", 30-31 and 70-71 before "c", 38-40 before "a", 75-76 before "up"
+    assert t["idle_before"] == pytest.approx({"b": 2.0, "c": 1.0, "a": 1.0, "up": 0.5})
 
 
 def test_timeline_refuses_an_empty_profile():
