@@ -9,7 +9,7 @@ steps of the loop and as many replays of the graph alone (CUPTI, ``torch.profile
 per step: the loop's span, the device's busy and idle time (and which ops the idle time
 preceded), and each op the loop runs that the replays do not (by kernel name: the upload, the ids' clamp, the logits' copy, the argmax, the
 ids' copy back, ...). Loops: ``logits`` (the runner returns logits, the loop takes their argmax:
-``bench decode``'s overlapped loop) and ``sampled`` (greedy sampling inside the graph, each step
+``bench decode``'s overlapped loop, ``generate.decode_overlapped``) and ``sampled`` (greedy sampling inside the graph, each step
 taking the last step's ids on the device through ``prev_token_row``: the engine's decode step).
 Prints tables and writes JSON; a script, not a test.
 """
@@ -64,7 +64,7 @@ def _device_events(prof) -> list[tuple[str, float, float]]:
 
 def _loop(runner, batch: int, context: int, sampled: bool):
     """A function running one more step of the loop (blocks allocated and written up to ``context``)."""
-    from fullgraph import SeqChunk
+    from fullgraph import SeqChunk, sampling
     from fullgraph.generate import TokenFetch
 
     bs = runner.config.block_size
@@ -75,6 +75,7 @@ def _loop(runner, batch: int, context: int, sampled: bool):
     state = {"step": 0, "ids": torch.arange(batch, device=runner.device) * 7 % 1000, "pending": None}
     placeholder = [0]
     values = {"temperature": [0.0] * batch, "prev_token_row": list(range(batch))} if sampled else None
+    pick = getattr(sampling, "greedy", lambda logits: logits.argmax(-1))   # as generate.decode_overlapped
 
     def step():
         i = state["step"]
@@ -84,7 +85,7 @@ def _loop(runner, batch: int, context: int, sampled: bool):
             ids = out.token_ids
         else:
             out = runner.step(chunks, token_ids=state["ids"])
-            ids = state["ids"] = out.logits.argmax(-1)
+            ids = state["ids"] = pick(out.logits)
         handle = fetch.start(ids)
         if state["pending"] is not None:
             fetch.wait(state["pending"])
