@@ -23,6 +23,7 @@
 #   sweep-attention (decode attention's splits and launch configs)
 #   host-calls (the cost of one Python, numpy and CUDA call on the machine)
 #   loop-profile (the overlapped decode loop's device timeline: ops outside the graph, idle time)
+#   head32-ab (the LM head's GEMM writing float32 logits, FULLGRAPH_FUSE=...,head32, against the default)
 # Logs and JSON land in $OUT (or ./out); each part has its own time limit so a call stays bounded.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -346,6 +347,13 @@ loop-profile)  # the device timeline of the overlapped decode loop: what runs ou
     for pdl in 0 1; do
         FULLGRAPH_PDL=$pdl run "profile_sampling_pdl$pdl" 90 python3 benchmarks/profile_step.py --preset llama-1b \
             --batch 1 32 --context 1024 --sampling --top 40 --out "$OUT/profile_sampling_pdl$pdl.json"
+    done
+    ;;
+head32-ab)  # the LM head writing float32 logits itself (FULLGRAPH_FUSE=...,head32) against the default, back to back
+    run head32_tests 90 python3 -m pytest -q -p no:cacheprovider tests/test_head32.py
+    for fuse in layer,rope layer,rope,head32; do
+        FULLGRAPH_FUSE=$fuse run "head32_${fuse//,/_}" 90 python3 -m fullgraph.bench decode --preset llama-1b \
+            --batch 1 32 --context 1024 --modes full --steps 40 --loop sync overlap --out "$OUT/head32_${fuse//,/_}.json"
     done
     ;;
 host-calls)  # what one Python / numpy / CUDA call costs on this machine (the host stages' ingredients)

@@ -32,7 +32,9 @@ variable                          effect                                        
                                   merge in the attention launch; slower so far, opt-in);
                                   in one-row steps: ``layernorm`` (a LayerNorm applied on
                                   load, as ``layer`` applies an RMSNorm; opt-in: faster on
-                                  an H100, slower on an H200 in its first configuration)
+                                  an H100, slower on an H200 in its first configuration);
+                                  ``head32`` (the LM head's GEMM writes float32 logits
+                                  itself, no cast kernel; opt-in until timed)
 ================================  ==================================================  ==================
 """
 from __future__ import annotations
@@ -46,7 +48,7 @@ PDL = "FULLGRAPH_PDL"
 COMPILE_WORKERS = "FULLGRAPH_COMPILE_WORKERS"
 LINEAR = "FULLGRAPH_LINEAR"
 FUSE = "FULLGRAPH_FUSE"
-FUSIONS = ("layer", "rope", "reduce", "layernorm")
+FUSIONS = ("layer", "rope", "reduce", "layernorm", "head32")
 DEFAULT_FUSIONS = "layer,rope"
 
 

@@ -28,6 +28,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from .. import env
 from ..attention import Attention, AttentionMetadata
 
 
@@ -98,7 +99,12 @@ class DecoderLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.lm_head
         if head is None or isinstance(head, nn.Linear):
-            logits = hidden @ (self.embed_tokens.weight if head is None else head.weight).t()
+            weight = self.embed_tokens.weight if head is None else head.weight
+            if hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16) and "head32" in env.fused():
+                # float32 logits from the GEMM itself (cuBLAS accumulates in float32 anyway): no bf16
+                # rounding of the logits, and no cast kernel reading them back
+                return self.scale_logits(torch.mm(hidden, weight.t(), out_dtype=torch.float32))
+            logits = hidden @ weight.t()
         else:  # a head module of its own (the vocabulary-parallel one): hidden -> full logits
             logits = head(hidden)
         return self.scale_logits(logits.float())                              # (N, vocab) float32
