@@ -42,9 +42,10 @@ from torch import Tensor
 
 try:
     from .kernels import sampling as _kernel
+    from .kernels.argmax import argmax as _argmax_kernel
     from .kernels.fed_back import fed_back_ids as _fed_back_kernel
 except ImportError:  # no Triton (e.g. macOS): the reference everywhere
-    _kernel = _fed_back_kernel = None
+    _kernel = _argmax_kernel = _fed_back_kernel = None
 
 _PHILOX_M = (0xD2511F53, 0xCD9E8D57)
 _PHILOX_W = (0x9E3779B9, 0xBB67AE85)
@@ -145,26 +146,13 @@ def fed_back_ids(input_ids: Tensor, prev_token_row: Tensor, feedback: Tensor) ->
 
 def greedy(logits: Tensor) -> Tensor:
     """(R,) int64: each row's argmax, ties -> lowest id, NaN counted as ``-inf`` (an all ``-inf``
-    row gives 0): :func:`sample` with every row greedy. On CUDA that is the kernel's greedy path,
-    a quarter of ``torch.argmax``'s time on a large vocabulary (H100, V = 128,256: 5.5 / 12.8 us at
-    1 / 32 rows against 27): a decode loop that picks its tokens outside the graph uses this."""
-    if not (logits.is_cuda and _kernel is not None):
-        x = logits.float()
-        return torch.where(torch.isnan(x), float("-inf"), x).argmax(dim=-1)
-    return _kernel.sample(logits, *_greedy_params(logits.shape[0], logits.device))
-
-
-_GREEDY: dict[tuple[int, torch.device], tuple[Tensor, ...]] = {}
-
-
-def _greedy_params(rows: int, device: torch.device) -> tuple[Tensor, ...]:
-    """temperature 0 and every filter off for ``rows`` rows, made once per (rows, device)."""
-    key = (rows, device)
-    if key not in _GREEDY:
-        f = torch.zeros(rows, dtype=torch.float32, device=device)
-        i = torch.zeros(rows, dtype=torch.int64, device=device)
-        _GREEDY[key] = (f, torch.zeros(rows, dtype=torch.int32, device=device), f + 1, f, i, i)
-    return _GREEDY[key]
+    row gives 0), as :func:`sample` picks a greedy row. On CUDA two Triton launches
+    (``kernels/argmax.py``; ``torch.argmax`` took 27 us a call at V = 128,256 on an H100): a decode
+    loop that picks its tokens outside the graph uses this."""
+    if logits.is_cuda and _argmax_kernel is not None:
+        return _argmax_kernel(logits)
+    x = logits.float()
+    return torch.where(torch.isnan(x), float("-inf"), x).argmax(dim=-1)
 
 
 def token_logprobs(logits: Tensor, ids: Tensor, num_top: int) -> tuple[Tensor, Tensor, Tensor]:

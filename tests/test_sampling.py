@@ -222,26 +222,6 @@ def test_greedy_rows_are_the_argmax(impl):
     assert got.tolist() == want.tolist() and got[1] == 40 and got[3] == 0 and got[4] == 1234
 
 
-@pytest.mark.parametrize("path", ["fallback", "kernel"])
-def test_greedy_helper_is_the_argmax_with_nan_as_minus_inf(path):
-    """``sampling.greedy`` (a decode loop's token pick outside the graph): the kernel's greedy path
-    with cached parameters (on DEVICE, the interpreter on CPU), or plain PyTorch off CUDA."""
-    from fullgraph import sampling
-
-    logits = torch.randn(5, 1300) * 3
-    logits[1, [70, 1100]] = 60.0                          # a tie: the lowest id
-    logits[2, :] = -INF                                   # nothing finite: 0
-    logits[3, 1299] = 80.0                                # the last id
-    logits[4, ::2] = float("nan")                         # NaN counts as -inf (torch.argmax would pick it)
-    if path == "fallback":
-        got = sampling.greedy(logits)
-    else:
-        got = kernel.launch(logits.to(DEVICE), *sampling._greedy_params(5, DEVICE), block=512).cpu()
-    want = torch.where(torch.isnan(logits), -INF, logits).argmax(-1)
-    assert got.tolist() == want.tolist() and got[1] == 70 and got[2] == 0 and got[3] == 1299 and got[4] % 2 == 1
-    assert sampling._greedy_params(5, DEVICE) is sampling._greedy_params(5, DEVICE)   # made once
-
-
 @pytest.mark.parametrize("impl", list(SAMPLERS))
 def test_padded_and_degenerate_rows_stay_in_range(impl):
     rows, vocab = 8, 1100
