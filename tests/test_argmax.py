@@ -48,3 +48,16 @@ def test_argmax_of_one_row_and_of_none():
 def test_sampling_greedy_is_the_same_rule_off_cuda():
     x = rows()
     assert sampling.greedy(x).tolist() == want(x)         # plain PyTorch on CPU tensors
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run `pytest -m gpu` on an H100/H200)")
+@pytest.mark.parametrize("batch", [1, 32, 64])
+def test_greedy_on_gpu_at_a_real_vocabulary(batch):
+    """V = 128,256 at the launch shape of each batch, bf16 and float32, with planted ties and NaN."""
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(batch, 128_256, generator=torch.Generator().manual_seed(batch)) * 3).to(dtype)
+        x[0, [5, 128_000]] = 40.0
+        x[-1, ::3] = float("nan")
+        got = sampling.greedy(x.cuda()).cpu()
+        assert got.tolist() == want(x) and got[0] == 5

@@ -27,3 +27,9 @@ def test_fed_back_ids_match_the_torch_expression(n):
 def test_fed_back_ids_of_an_empty_step():
     empty = torch.zeros(0, dtype=torch.int64, device=DEVICE)
     assert fed_back_ids(empty, empty, torch.ones(4, dtype=torch.int64, device=DEVICE)).shape == (0,)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run `pytest -m gpu` on an H100/H200)")
+def test_fed_back_ids_on_gpu():
+    test_fed_back_ids_match_the_torch_expression(BLOCK * 3 + 7)
