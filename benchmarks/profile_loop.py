@@ -7,10 +7,11 @@ An overlapped decode step (``bench decode --loop overlap``) is longer than the g
 (H200, llama-1b batch 1: 0.884 against 0.839 ms). Per batch and loop this profiles ``--steps``
 steps of the loop and as many replays of the graph alone (CUPTI, ``torch.profiler``) and prints,
 per step: the loop's span, the device's busy and idle time (and which ops the idle time
-preceded), and each op the loop runs that the replays do not (by kernel name: the upload, the ids' clamp, the logits' copy, the argmax, the
-ids' copy back, ...). Loops: ``logits`` (the runner returns logits, the loop takes their argmax:
-``bench decode``'s overlapped loop, ``generate.decode_overlapped``) and ``sampled`` (greedy sampling inside the graph, each step
-taking the last step's ids on the device through ``prev_token_row``: the engine's decode step).
+preceded), and each op the loop runs that the replays do not (by kernel name: the upload, the
+ids' clamp, the logits' copy, the greedy pick, the ids' copy back, ...). Loops: ``logits`` (the
+runner returns logits, the loop picks the greedy tokens: ``bench decode``'s overlapped loop,
+``generate.decode_overlapped``) and ``sampled`` (greedy sampling inside the graph, each step taking
+the last step's ids on the device through ``prev_token_row``: the engine's decode step).
 Prints tables and writes JSON; a script, not a test.
 """
 from __future__ import annotations

@@ -38,8 +38,8 @@ def greedy(runner: FullGraphRunner, prompts: Sequence[Sequence[int]], max_new_to
     all requests together, one token each per step.
 
     ``overlap``: each decode step is planned and launched while the one before it still runs;
-    its token ids are the previous step's argmax (``sampling.greedy``, as every step's), handed over on the device
-    (``runner.step(..., token_ids=...)``), and the host reads each step's tokens while the next
+    its token ids are the previous step's argmax (``sampling.greedy``, as every step's), handed
+    over on the device (``runner.step(..., token_ids=...)``), and the host reads each step's tokens while the next
     one runs. Same tokens; the host's work per step then hides behind the device's. Each
     ``decode_seconds`` entry is then the time between two steps' tokens reaching the host (what
     a client streaming them sees) instead of one synchronised step.
@@ -138,7 +138,7 @@ def decode_overlapped(runner: FullGraphRunner, chunks_for: Callable[[int], list[
     pending = None
     for step in range(num_steps):
         out = runner.step(chunks_for(step), token_ids=ids)
-        ids = sampling.greedy(out.logits)   # torch.argmax: 27 us at V = 128,256 on an H100, this 5-13
+        ids = sampling.greedy(out.logits)   # two launches; torch.argmax took 27 us at V = 128,256 (H100)
         handle = fetch.start(ids)
         if pending is not None:  # the step before this one: read while this one runs
             yield fetch.wait(pending[0]), pending[1]
