@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from . import compile_ahead, pdl
-from .sampling_common import INT_MAX, NEG_INF, _max_and_first, _raw, _track_max
+from .sampling_common import INT_MAX, NEG_INF, _chunk_max
 
 BLOCK = 1024            # tokens a program reads per loop step
 PROGRAMS_PER_SM = 4     # chunks over all rows, per SM
@@ -30,13 +30,7 @@ def _chunk_max_kernel(x_ptr, part_f_ptr, part_i_ptr, vocab, chunk, num_chunks, s
     pdl.wait(USE_PDL)
     pdl.start_dependents(USE_PDL)
     row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    x_row = x_ptr + row * stride_x
-    best = tl.full([BLOCK], NEG_INF, tl.float32)
-    arg = tl.zeros([BLOCK], tl.int32) + c * chunk
-    for off in range(0, chunk, BLOCK):
-        idx = c * chunk + off + tl.arange(0, BLOCK)
-        best, arg = _track_max(_raw(x_row, idx, vocab), idx, best, arg)
-    m, first = _max_and_first(best, arg)
+    m, first = _chunk_max(x_ptr + row * stride_x, c, chunk, vocab, BLOCK)
     tl.store(part_f_ptr + row * num_chunks + c, m)
     tl.store(part_i_ptr + row * num_chunks + c, first)
 

@@ -75,8 +75,8 @@ from . import compile_ahead, pdl
 from .sampling_chain import CHAIN, LIST_TOP, STATE, _check_chain, _is_chain, _scan_chain
 from .sampling_topk import LISTED, TOP_VALUES, _is_topk, _list_topk, _scan_values
 from .sampling_common import (BLOCK, BUCKETS_PER_NAT, CAND_BLOCK, CAND_SMALL, INT_MAX, LIST_BLOCK, NEG_INF,
-                              NUM_BUCKETS, REFINE_ABOVE, REFINE_BUCKETS, ZONES_W, _bucket, _max_and_first, _min_p_bucket,
-                              _noise_block, _position, _raw, _row_max, _row_sum, _scaled, _track_max, _zones)
+                              NUM_BUCKETS, REFINE_ABOVE, REFINE_BUCKETS, ZONES_W, _bucket, _chunk_max, _min_p_bucket,
+                              _noise_block, _position, _row_max, _row_sum, _scaled, _zones)
 
 from .sampling_select import _select_kernel
 from .._compat import custom_op
@@ -108,12 +108,7 @@ def _scan_kernel(
                             c, chunk, vocab, tl.math.div_rn(1.0, t), tl.load(seed_ptr + row),
                             tl.load(offset_ptr + row), BLOCK, T, FAST)
     else:
-        best = tl.full([BLOCK], NEG_INF, tl.float32)
-        arg = tl.zeros([BLOCK], tl.int32) + c * chunk
-        for off in range(0, chunk, BLOCK):
-            idx = c * chunk + off + tl.arange(0, BLOCK)
-            best, arg = _track_max(_raw(x_row, idx, vocab), idx, best, arg)
-        m, first = _max_and_first(best, arg)
+        m, first = _chunk_max(x_row, c, chunk, vocab, BLOCK)
         tl.store(part_f_ptr + slot * 4, m)
     tl.store(part_i_ptr + slot * 3, first)
 

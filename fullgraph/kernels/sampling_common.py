@@ -103,6 +103,18 @@ def _max_and_first(best, arg):
 
 
 @triton.jit
+def _chunk_max(x_row, c, chunk, vocab, BLOCK: tl.constexpr):
+    """Chunk ``c``'s raw max (NaN as -inf) and its lowest index: the greedy rows' scan, and
+    ``kernels/argmax.py``'s first launch."""
+    best = tl.full([BLOCK], NEG_INF, tl.float32)
+    arg = tl.zeros([BLOCK], tl.int32) + c * chunk
+    for off in range(0, chunk, BLOCK):
+        idx = c * chunk + off + tl.arange(0, BLOCK)
+        best, arg = _track_max(_raw(x_row, idx, vocab), idx, best, arg)
+    return _max_and_first(best, arg)
+
+
+@triton.jit
 def _bucket(s, s_max, NB: tl.constexpr, BPN: tl.constexpr):
     d = s_max - s
     return tl.where(d < (NB - 1) / BPN, d * BPN, NB - 1).to(tl.int32)
