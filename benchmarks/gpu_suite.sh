@@ -24,6 +24,7 @@
 #   host-calls (the cost of one Python, numpy and CUDA call on the machine)
 #   loop-profile (the overlapped decode loop's device timeline: ops outside the graph, idle time)
 #   head32-ab (the LM head's GEMM writing float32 logits, FULLGRAPH_FUSE=...,head32, against the default)
+#   loop-ab (decode loops and the overlapped loop's timeline of .base/, MORE_TREES and this tree)
 # Logs and JSON land in $OUT (or ./out); each part has its own time limit so a call stays bounded.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -347,6 +348,21 @@ loop-profile)  # the device timeline of the overlapped decode loop: what runs ou
     for pdl in 0 1; do
         FULLGRAPH_PDL=$pdl run "profile_sampling_pdl$pdl" 90 python3 benchmarks/profile_step.py --preset llama-1b \
             --batch 1 32 --context 1024 --sampling --top 40 --out "$OUT/profile_sampling_pdl$pdl.json"
+    done
+    ;;
+loop-ab)  # the decode loops of .base/ (then MORE_TREES="dir ...", carried) and of this tree, back to back, each tree
+    # from its own directory; then the overlapped loop's device timeline (ops outside the graph, idle) of .base/ and ours
+    for tree in .base ${MORE_TREES:-} .; do
+        tag=$([ "$tree" = . ] && echo new || echo "${tree#.}")
+        for preset in llama-1b smollm2-135m; do
+            (cd $tree && PYTHONPATH=. run "loopab_${preset}_$tag" 100 python3 -m fullgraph.bench decode --preset $preset \
+                --batch 1 32 --context 1024 --modes full --steps 40 --loop sync overlap --out "$OUT/loopab_${preset}_$tag.json")
+        done
+    done
+    for tree in .base .; do
+        tag=$([ "$tree" = . ] && echo new || echo base)
+        (cd $tree && PYTHONPATH=. run "loopab_profile_$tag" 120 python3 "$OLDPWD/benchmarks/profile_loop.py" --preset llama-1b \
+            --batch 1 32 --out "$OUT/loopab_profile_$tag.json")
     done
     ;;
 head32-ab)  # the LM head writing float32 logits itself (FULLGRAPH_FUSE=...,head32) against the default, back to back

@@ -66,13 +66,23 @@ def _device_events(prof) -> list[tuple[str, float, float]]:
 def _loop(runner, batch: int, context: int, sampled: bool):
     """A function running one more step of the loop (blocks allocated and written up to ``context``)."""
     from fullgraph import SeqChunk, sampling
-    from fullgraph.generate import TokenFetch
+    try:
+        from fullgraph.fetch import HostFetch
+    except ImportError:   # a tree before it (loop-ab runs this script over older trees)
+        from fullgraph.generate import TokenFetch
+
+        class HostFetch(TokenFetch):
+            def __init__(self, shapes, device):
+                super().__init__(device, shapes["ids"][0][0])
+
+            def start(self, outputs):
+                return super().start(outputs["ids"])
 
     bs = runner.config.block_size
     blocks = [runner.blocks.allocate(-(-(context + 400) // bs)) for _ in range(batch)]
     for ids in blocks:
         runner.blocks.mark_written(ids, context, bs)
-    fetch = TokenFetch(runner.device, batch)
+    fetch = HostFetch({"ids": ((batch,), torch.int64)}, runner.device)
     state = {"step": 0, "ids": torch.arange(batch, device=runner.device) * 7 % 1000, "pending": None}
     placeholder = [0]
     values = {"temperature": [0.0] * batch, "prev_token_row": list(range(batch))} if sampled else None
@@ -87,7 +97,7 @@ def _loop(runner, batch: int, context: int, sampled: bool):
         else:
             out = runner.step(chunks, token_ids=state["ids"])
             ids = state["ids"] = pick(out.logits)
-        handle = fetch.start(ids)
+        handle = fetch.start({"ids": ids})
         if state["pending"] is not None:
             fetch.wait(state["pending"])
         state["pending"], state["step"] = handle, i + 1

@@ -3,8 +3,10 @@
 Allocated once; their addresses never change (a graph replays raw pointers). Every step field of
 the runner's table (``fullgraph.fields``) lives in one byte buffer, mirrored by one pinned host
 staging area, so a step costs one host-to-device copy: the planner writes the padded plan
-straight into the staging area (``staging``), and ``upload`` sends it. On a CPU device the staging
-area *is* the buffer. The step's outputs (logits, sampled ids, ...) are buffers of their own.
+straight into the staging area (``staging``), and ``upload`` sends it: one kernel
+(``kernels.stage_in``) that reads the pinned area over the bus and also writes ids handed over on
+the device, not a copy-engine copy between the step's kernels. On a CPU device the staging area
+*is* the buffer. The step's outputs (logits, sampled ids, ...) are buffers of their own.
 Backends' workspaces are registered here too, so poisoning and the address guard cover them.
 """
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from .config import RunnerConfig
 from .fields import FieldTable, StepPlan
+from .kernels.stage_in import stage_in
 from .layout import Staging
 
 _TORCH = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
@@ -52,6 +55,8 @@ class StaticBuffers:
         on_cuda = self.device.type == "cuda"
         self._dev = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
         self._host = torch.zeros(nbytes, dtype=torch.uint8).pin_memory() if on_cuda else self._dev
+        # what the stage-in kernel copies: every field is 4 or 8 bytes wide, so the area is whole words
+        self._words = (self._host.view(torch.int32), self._dev.view(torch.int32))
         host = self._host.numpy()
         self.tensors = {name: self._dev[b].view(_TORCH[dt]).view(shape) for name, (b, shape, dt) in layout.items()}
         self._staging = Staging({name: host[b].view(dt).reshape(shape) for name, (b, shape, dt) in layout.items()})
@@ -97,12 +102,13 @@ class StaticBuffers:
         given, ``input_ids`` (a device tensor) over the first ``len(input_ids)`` staged ids,
         clamped into ``[0, vocab_size)`` so that no id reads outside the embedding. ``side``:
         "host" fields this step wrote, name -> rows to send."""
-        if self._copied is not None:
-            self._dev.copy_(self._host, non_blocking=True)
+        if self._copied is not None:  # one kernel, in the step's stream: the staging area and the ids
+            stage_in(*self._words, input_ids, self.tensors["input_ids"], None if vocab_size is None else vocab_size - 1)
             for name, rows in (side or {}).items():
                 self.tensors[name][:rows].copy_(self._side_host[name][:rows], non_blocking=True)
             self._copied.record(self._current_stream())
-        if input_ids is not None:  # stream-ordered after the upload
+            return
+        if input_ids is not None:
             dst = self.tensors["input_ids"][: len(input_ids)]
             if vocab_size is None:
                 dst.copy_(input_ids)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import sampling
+from .fetch import HostFetch
 from .plan import SeqChunk
 from .runner import FullGraphRunner
 
@@ -99,32 +100,6 @@ def _timed(runner: FullGraphRunner, chunks: list[SeqChunk], times: list[float], 
     return out.logits
 
 
-class TokenFetch:
-    """Device-to-host copies of sampled ids that wait for nothing queued after them (a plain
-    ``.tolist()`` waits for every step queued behind): two pinned buffers with an event each,
-    used in turn, so one can be read while the next copy is in flight."""
-
-    def __init__(self, device: torch.device, num: int) -> None:
-        cuda = device.type == "cuda"
-        self._host = [torch.empty(num, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
-        self._events = [torch.cuda.Event() if cuda else None for _ in range(2)]
-        self._next = 0
-
-    def start(self, ids: torch.Tensor) -> int:
-        """Queue the copy of ``ids`` (int64, ``num`` of them); returns the handle for ``wait``."""
-        i, self._next = self._next, self._next ^ 1
-        self._host[i].copy_(ids, non_blocking=True)
-        if self._events[i] is not None:
-            self._events[i].record()
-        return i
-
-    def wait(self, handle: int) -> list[int]:
-        """The ids of one ``start``, once they have arrived (call before the second ``start`` after it)."""
-        if self._events[handle] is not None:
-            self._events[handle].synchronize()
-        return self._host[handle].tolist()
-
-
 def decode_overlapped(runner: FullGraphRunner, chunks_for: Callable[[int], list[SeqChunk]], ids: torch.Tensor,
                       num_steps: int) -> Iterator[tuple[list[int], str]]:
     """Run ``num_steps`` decode steps, each launched before the previous step's tokens are read;
@@ -134,17 +109,17 @@ def decode_overlapped(runner: FullGraphRunner, chunks_for: Callable[[int], list[
     ``chunks_for(step)``: that step's chunks, one token each (their ids are ignored: each step's
     ids are the previous step's argmax, handed over on the device); ``ids``: the first step's ids,
     a (num_chunks,) int64 tensor on the runner's device."""
-    fetch = TokenFetch(runner.device, len(ids))
+    fetch = HostFetch({"ids": ((len(ids),), torch.int64)}, runner.device)
     pending = None
     for step in range(num_steps):
         out = runner.step(chunks_for(step), token_ids=ids)
         ids = sampling.greedy(out.logits)   # two launches; torch.argmax took 27 us at V = 128,256 (H100)
-        handle = fetch.start(ids)
+        handle = fetch.start({"ids": ids})
         if pending is not None:  # the step before this one: read while this one runs
-            yield fetch.wait(pending[0]), pending[1]
+            yield fetch.wait(pending[0])["ids"].tolist(), pending[1]
         pending = handle, out.mode
     if pending is not None:
-        yield fetch.wait(pending[0]), pending[1]
+        yield fetch.wait(pending[0])["ids"].tolist(), pending[1]
 
 
 def _decode_overlapped(runner: FullGraphRunner, prompts: Sequence[Sequence[int]], blocks: list[list[int]],

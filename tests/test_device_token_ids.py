@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import fullgraph as fg
-from fullgraph.generate import TokenFetch, greedy
+from fullgraph.fetch import HostFetch
+from fullgraph.generate import greedy
 from harness import HAS_CUDA, LIMITS, Mode, assert_logits_close, make_runner, modes_under_test
 
 MODES = modes_under_test() + [Mode("none", "sdpa")]
@@ -68,11 +69,28 @@ def test_overlapped_greedy_gives_the_same_tokens(mode):
     assert runner.blocks.num_free == runner.config.num_blocks - 1  # pages freed
 
 
-def test_token_fetch_reads_each_copy_while_the_next_is_in_flight():
+def test_host_fetch_reads_each_copy_while_the_next_is_in_flight():
     device = torch.device("cuda" if HAS_CUDA else "cpu")
-    fetch = TokenFetch(device, 3)
-    a = fetch.start(torch.tensor([1, 2, 3], device=device))
-    b = fetch.start(torch.tensor([4, 5, 6], device=device))
-    assert fetch.wait(a) == [1, 2, 3] and fetch.wait(b) == [4, 5, 6]
-    c = fetch.start(torch.tensor([7, 8, 9], device=device))
-    assert c == a and fetch.wait(c) == [7, 8, 9]
+    fetch = HostFetch({"ids": ((3,), torch.int64), "p": ((3, 2), torch.float32)}, device)
+    a = fetch.start({"ids": torch.tensor([1, 2, 3], device=device)})
+    b = fetch.start({"ids": torch.tensor([4, 5, 6], device=device), "p": torch.full((2, 2), 0.5, device=device)})
+    got_a, got_b = fetch.wait(a), fetch.wait(b, rows=2)
+    assert list(got_a) == ["ids"] and got_a["ids"].tolist() == [1, 2, 3]
+    assert got_b["ids"].tolist() == [4, 5] and got_b["p"].tolist() == [[0.5, 0.5]] * 2
+    c = fetch.start({"ids": torch.tensor([7, 8, 9], device=device)})
+    assert c == a and fetch.wait(c)["ids"].tolist() == [7, 8, 9]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (run `pytest -m gpu` on an H100/H200)")
+def test_host_fetch_copies_what_the_step_stream_wrote_last():
+    """The side stream's copy waits for the step's stream: a long kernel then the write of the ids,
+    queued before ``start``, arrive whole; the ids' memory freed right after is not reused early."""
+    fetch = HostFetch({"ids": ((4096,), torch.int64)}, torch.device("cuda"))
+    for step in range(3):
+        big = torch.randn(4096, 4096, device="cuda")
+        ids = (big @ big).argmax(-1) * 0 + torch.arange(4096, device="cuda") + step   # written late in the stream
+        handle = fetch.start({"ids": ids})
+        del ids, big
+        torch.empty(4096, dtype=torch.int64, device="cuda").fill_(-1)       # would take the ids' memory
+        assert fetch.wait(handle)["ids"].tolist() == list(range(step, 4096 + step)), f"step {step}"

@@ -22,8 +22,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
+from ..fetch import HostFetch
 from ..plan import SeqChunk
 from ..runner import FullGraphRunner
 from .pages import PrefixCache, kv_key
@@ -34,35 +34,6 @@ from .text import RequestText, tokenizer_token_bytes
 
 _ONE = (0,)  # the one token of a chunk whose id the graph reads from the previous step's sample
 _DELTA, _FINAL_ONLY = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
-
-
-class _Fetch:
-    """Device-to-host copies of a step's outputs that wait for nothing queued after them: two
-    pinned sets of buffers with an event each, used in turn."""
-
-    def __init__(self, runner: FullGraphRunner) -> None:
-        cuda = runner.device.type == "cuda"
-        self._host = [{name: torch.empty_like(t, device="cpu", pin_memory=cuda) for name, t in
-                       runner.buffers.outputs.items()} for _ in range(2)]
-        self._events = [torch.cuda.Event() if cuda else None for _ in range(2)]
-        self._names: list[tuple[str, ...]] = [(), ()]
-        self._next = 0
-
-    def start(self, outputs: dict[str, torch.Tensor]) -> int:
-        i, self._next = self._next, self._next ^ 1
-        for name, t in outputs.items():
-            self._host[i][name][: len(t)].copy_(t, non_blocking=True)
-        self._names[i] = tuple(outputs)
-        if self._events[i] is not None:
-            self._events[i].record()
-        return i
-
-    def wait(self, handle: int, rows: int) -> dict[str, np.ndarray]:
-        """The outputs ``start`` copied (by name), their first ``rows`` rows."""
-        if self._events[handle] is not None:
-            self._events[handle].synchronize()
-        host = self._host[handle]
-        return {name: host[name][:rows].numpy() for name in self._names[handle]}
 
 
 @dataclass
@@ -103,7 +74,8 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._with_logprobs: set[str] = set()   # unfinished requests that asked for logprobs
         self._seeds = np.random.default_rng(seed)
-        self._fetch = _Fetch(runner)
+        self._fetch = HostFetch({name: (tuple(t.shape), t.dtype) for name, t in runner.buffers.outputs.items()},
+                                 runner.device)
         self._inflight: _Launched | None = None
         self._text_tables = None
         self._grammars = None
