@@ -336,7 +336,7 @@ host)  # a decode step's host work by stage (plan, ledger, upload, launch, outpu
     run host_llama1b 60 python3 -m fullgraph.bench host --preset llama-1b --out "$OUT/host_llama1b.json"
     run host_phi3 90 python3 -m fullgraph.bench host --preset phi3-small-8k --out "$OUT/host_phi3.json"
     # the engine's step by phase on the same machine (the forward runs: collect includes the wait)
-    run engine_host_llama1b 150 python3 -m fullgraph.bench engine-host --preset llama-1b --batch 1 64 \
+    run engine_host_llama1b 200 python3 -m fullgraph.bench engine-host --preset llama-1b --batch 1 64 256 \
         --output-kind cumulative delta --steps 100 --out "$OUT/engine_host_llama1b.json"
     ;;
 loop-profile)  # the device timeline of the overlapped decode loop: what runs outside the graph, and idle time

@@ -31,6 +31,23 @@ def test_device_ids_give_the_logits_of_host_ids(mode):
         lens = [1, 1, 1]
 
 
+@pytest.mark.parametrize("mode", modes_under_test(), ids=lambda m: m.id)
+def test_step_outputs_as_views_of_the_buffers(mode):
+    """``copy_outputs=False``: the logits of the copying twin, as a view of the output buffer that
+    the next step overwrites."""
+    copying, viewing = make_runner(mode), make_runner(mode, validate=True)
+    pages = [copying.blocks.allocate(2) for _ in range(2)]
+    assert [viewing.blocks.allocate(2) for _ in range(2)] == pages
+    chunks = [fg.SeqChunk([5, 9, 2, 33], 0, pages[0]), fg.SeqChunk([8, 1], 0, pages[1])]
+    ref, got = copying.step(chunks), viewing.step(chunks, copy_outputs=False)
+    assert_logits_close(ref, got)
+    buffer = viewing.buffers.outputs["logits"]
+    assert got.logits.data_ptr() == buffer.data_ptr() and got.logits.shape == (2, buffer.shape[1])
+    first = got.logits.clone()
+    viewing.step([fg.SeqChunk([7], 4, pages[0]), fg.SeqChunk([7], 2, pages[1])])
+    assert not torch.equal(got.logits, first)     # the next step wrote over it
+
+
 def _bad(runner, chunk, token_ids, match):
     with pytest.raises(ValueError, match=match):
         runner.step([chunk], token_ids=token_ids)

@@ -42,9 +42,9 @@ def engine_host_row(model, batch: int, kind: str, context: int, steps: int, cuda
     runner = FullGraphRunner(model, sampling=True, max_num_seqs=batch, max_num_tokens=min(2048, batch * max_model_len),
                              max_model_len=max_model_len, cudagraph="full" if cuda else "padded",
                              **({"capture_sizes": (batch,)} if cuda else {}))
+    if not cuda:  # host work only: the padded forward is skipped (its warm-up over every bucket too)
+        runner._run_static = lambda key, num_reqs: None
     runner.warmup()
-    if not cuda:
-        runner._run_static = lambda key, num_reqs: None   # host work only: the padded forward is skipped
     engine = Engine(runner)
     gen = torch.Generator().manual_seed(batch)
     params = SamplingParams(temperature=0, max_tokens=steps + 16, ignore_eos=True, output_kind=kind)
