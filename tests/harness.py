@@ -60,7 +60,8 @@ CONFORMANCE_CASES = [pytest.param(c, id=f"{getattr(c[0], 'name', c[0])}-{c[1]}" 
 
 def modes_under_test() -> list[Mode]:
     """The dense (backend, mode) pairs of ``CONFORMANCE_CASES`` as runner modes (compiled modes
-    included on the GPU only: on the CPU each compiled runner costs seconds)."""
+    included on the GPU only: on the CPU each compiled runner costs seconds) whose backend serves
+    steps with cached context (decode steps: FlashAttention without paging serves prompts only)."""
     out = []
     for param in CONFORMANCE_CASES:
         backend, mode, dtype, preset = param.values[0]
@@ -68,7 +69,9 @@ def modes_under_test() -> list[Mode]:
             continue
         cudagraph = "full" if HAS_CUDA else "padded"
         out.append(Mode(cudagraph, backend, compile=mode == "compile", dtype=dtype or torch.float32))
-    return [m for m in out if m.attention in fg.attention.backends.available_backends()]
+    backends = fg.attention.backends
+    return [m for m in out if m.attention in backends.available_backends()
+            and backends.backend_class(m.attention).supports_context()]
 
 
 @functools.lru_cache(maxsize=4)
