@@ -25,6 +25,7 @@
 #   loop-profile (the overlapped decode loop's device timeline: ops outside the graph, idle time)
 #   head32-ab (the LM head's GEMM writing float32 logits, FULLGRAPH_FUSE=...,head32, against the default)
 #   loop-ab (decode loops and the overlapped loop's timeline of .base/, MORE_TREES and this tree)
+#   host-ab (the host stages of .base/ and this tree, alternating)
 # Logs and JSON land in $OUT (or ./out); each part has its own time limit so a call stays bounded.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -363,6 +364,15 @@ loop-ab)  # the decode loops of .base/ (then MORE_TREES="dir ...", carried) and 
         tag=$([ "$tree" = . ] && echo new || echo base)
         (cd $tree && PYTHONPATH=. run "loopab_profile_$tag" 120 python3 "$OLDPWD/benchmarks/profile_loop.py" --preset llama-1b \
             --batch 1 32 --out "$OUT/loopab_profile_$tag.json")
+    done
+    ;;
+host-ab)  # a decode step's host stages in .base/ and in this tree, alternating, twice each (hosts drift within a call)
+    for i in 1 2; do
+        for tree in .base .; do
+            tag=$([ "$tree" = . ] && echo new || echo base)
+            (cd $tree && PYTHONPATH=. run "hostab_${tag}_$i" 60 python3 -m fullgraph.bench host --preset llama-1b \
+                --out "$OUT/hostab_${tag}_$i.json")
+        done
     done
     ;;
 head32-ab)  # the LM head writing float32 logits itself (FULLGRAPH_FUSE=...,head32) against the default, back to back
