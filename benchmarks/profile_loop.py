@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import json
 import statistics
 import time
@@ -87,6 +88,7 @@ def _loop(runner, batch: int, context: int, sampled: bool):
     placeholder = [0]
     values = {"temperature": [0.0] * batch, "prev_token_row": list(range(batch))} if sampled else None
     pick = getattr(sampling, "greedy", lambda logits: logits.argmax(-1))   # as generate.decode_overlapped
+    views = {"copy_outputs": False} if "copy_outputs" in inspect.signature(runner.step).parameters else {}
 
     def step():
         i = state["step"]
@@ -95,7 +97,7 @@ def _loop(runner, batch: int, context: int, sampled: bool):
             out = runner.step(chunks, values=values if i else {"temperature": values["temperature"]})
             ids = out.token_ids
         else:
-            out = runner.step(chunks, token_ids=state["ids"])
+            out = runner.step(chunks, token_ids=state["ids"], **views)   # the logits read right here, as there
             ids = state["ids"] = pick(out.logits)
         handle = fetch.start({"ids": ids})
         if state["pending"] is not None:

@@ -98,10 +98,11 @@ class StaticBuffers:
 
     def upload(self, input_ids: torch.Tensor | None = None, vocab_size: int | None = None,
                side: Mapping[str, int] | None = None) -> None:
-        """Send the staging area to the device buffers (asynchronous; a no-op on CPU), then, when
-        given, ``input_ids`` (a device tensor) over the first ``len(input_ids)`` staged ids,
-        clamped into ``[0, vocab_size)`` so that no id reads outside the embedding. ``side``:
-        "host" fields this step wrote, name -> rows to send."""
+        """Send the staging area to the device buffers (asynchronous; on CPU the staging area is
+        the buffers), then, when given, ``input_ids`` (a device tensor) over the first
+        ``len(input_ids)`` staged ids, clamped into ``[0, vocab_size)`` so that no id reads outside
+        the embedding. ``side``: "host" fields this step wrote, name -> rows to send (copies in the
+        step's stream: only steps that wrote them, e.g. grammar masks, pay for them)."""
         if self._copied is not None:  # one kernel, in the step's stream: the staging area and the ids
             stage_in(*self._words, input_ids, self.tensors["input_ids"], None if vocab_size is None else vocab_size - 1)
             for name, rows in (side or {}).items():

@@ -26,35 +26,39 @@ class HostFetch:
         cuda = torch.device(device).type == "cuda"
         self._host = [{name: torch.empty(shape, dtype=dtype, pin_memory=cuda) for name, (shape, dtype) in shapes.items()}
                       for _ in range(2)]
+        self._device = torch.device(device)
         self._done = [torch.cuda.Event() if cuda else None for _ in range(2)]
         self._ready = torch.cuda.Event() if cuda else None
         self._stream = torch.cuda.Stream(device) if cuda else None
-        self._names: list[tuple[str, ...]] = [(), ()]
+        self._rows: list[dict[str, int]] = [{}, {}]   # what each start copied: name -> rows
         self._next = 0
 
     def start(self, outputs: Mapping[str, torch.Tensor]) -> int:
         """Queue the copy of ``outputs`` (name -> device tensor, any number of rows up to the
-        room's); returns the handle for ``wait``."""
+        room's); returns the handle for ``wait``. The tensors must be the caller's own (a step's
+        copies, a fresh argmax), never views of buffers the next step writes
+        (``step(copy_outputs=False)``): the copy runs later, on the side stream."""
         i, self._next = self._next, self._next ^ 1
         host = self._host[i]
         if self._stream is None:
             for name, t in outputs.items():
                 host[name][: len(t)].copy_(t)
         else:
-            self._ready.record()                    # in the step's stream: the outputs are written
+            self._ready.record(torch.cuda.current_stream(self._device))   # the step's stream: outputs written
             self._stream.wait_event(self._ready)
             with torch.cuda.stream(self._stream):
                 for name, t in outputs.items():
                     host[name][: len(t)].copy_(t, non_blocking=True)
                     t.record_stream(self._stream)   # not reused by the step's stream before the copy
                 self._done[i].record()
-        self._names[i] = tuple(outputs)
+        self._rows[i] = {name: len(t) for name, t in outputs.items()}
         return i
 
     def wait(self, handle: int, rows: int | None = None) -> dict[str, np.ndarray]:
-        """The outputs one ``start`` copied (by name; their first ``rows`` rows, or all), once they
-        have arrived. Call it before the second ``start`` after that one (which reuses its room)."""
+        """The outputs one ``start`` copied (by name; their first ``rows`` rows, or as many as it
+        copied), once they have arrived: views of the pinned room, valid until the second
+        ``start`` after that one (which reuses it); call ``wait`` before that."""
         if self._done[handle] is not None:
             self._done[handle].synchronize()
         host = self._host[handle]
-        return {name: host[name][:rows].numpy() for name in self._names[handle]}
+        return {name: host[name][: n if rows is None else rows].numpy() for name, n in self._rows[handle].items()}

@@ -34,7 +34,7 @@ class StepValidator:
         self._snapshot = [c.detach().clone() for c in self.kv_caches]
 
     def after(self, plan: StepPlan, outputs: dict[str, torch.Tensor]) -> None:
-        """Check the step's outputs (real rows only; the copies ``outputs`` holds) and the KV cache."""
+        """Check the step's outputs (real rows only: ``outputs`` holds them, copies or views) and the KV cache."""
         for name, out in outputs.items():
             if out.is_floating_point():  # -inf is legitimate (masked token ids), NaN never
                 bad = torch.isnan(out[: plan.num_reqs]).reshape(plan.num_reqs, -1).any(-1)

@@ -96,6 +96,8 @@ def test_host_fetch_reads_each_copy_while_the_next_is_in_flight():
     assert got_b["ids"].tolist() == [4, 5] and got_b["p"].tolist() == [[0.5, 0.5]] * 2
     c = fetch.start({"ids": torch.tensor([7, 8, 9], device=device)})
     assert c == a and fetch.wait(c)["ids"].tolist() == [7, 8, 9]
+    d = fetch.start({"ids": torch.tensor([1], device=device)})     # fewer rows than the room's last copy
+    assert d == b and fetch.wait(d)["ids"].tolist() == [1]
 
 
 @pytest.mark.gpu

@@ -39,17 +39,30 @@ def test_stage_in_writes_clamped_ids_over_their_slice(ids_dtype, n_ids, block):
     assert torch.equal(got, want)                     # the ids' slice and every other word
 
 
-def test_stage_in_without_an_upper_bound_keeps_large_ids():
+def test_stage_in_without_a_bound_clamps_at_the_int32_limit():
     src, dst = _area(64, torch.Generator().manual_seed(1))
     ids = torch.tensor([5, 2**40, -3])
     stage_in(src, dst, ids.to(DEVICE), dst[8:].view(torch.int64), None, block=16)
-    assert dst[8:14].cpu().view(torch.int64).tolist() == [5, 2**40, 0]
+    assert dst[8:14].cpu().view(torch.int64).tolist() == [5, 2**31 - 1, 0]
+
+
+def test_stage_in_reads_strided_ids():
+    """Ids handed over as a strided view (a column of a bigger tensor) land in order."""
+    g = torch.Generator().manual_seed(4)
+    src, dst = _area(200, g)
+    table = torch.randint(0, 1000, (9, 3), generator=g)
+    stage_in(src, dst, table.to(DEVICE)[:, 1], dst[20:].view(torch.int64), 999, block=32)
+    want = src.clone()
+    want[20:].view(torch.int64)[:9] = table[:, 1]
+    assert torch.equal(dst.cpu(), want)
 
 
 def test_stage_in_refuses_mismatched_areas():
     src, dst = _area(16, torch.Generator().manual_seed(2))
     with pytest.raises(ValueError, match="one size"):
         stage_in(src[:8], dst)
+    with pytest.raises(ValueError, match="id bound"):
+        stage_in(src, dst, None, None, 2**31)
     with pytest.raises(ValueError, match="inside dst"):
         stage_in(src, dst, torch.ones(4, dtype=torch.int64, device=DEVICE),
                  torch.zeros(4, dtype=torch.int64, device=DEVICE), 10)
