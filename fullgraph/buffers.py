@@ -16,6 +16,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from ._compat import CurrentStream
 from .config import RunnerConfig
 from .fields import FieldTable, StepPlan
 from .kernels.stage_in import stage_in
@@ -78,9 +79,7 @@ class StaticBuffers:
         # which the next step's graph reads for tokens whose prev_token_row says so
         self.feedback = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
         self._copied = torch.cuda.Event() if on_cuda else None
-        if on_cuda:
-            self._device_index = torch.cuda.current_device() if self.device.index is None else self.device.index
-            self._stream_key, self._stream = None, None
+        self._current_stream = CurrentStream(self.device) if on_cuda else None   # the stream the step runs on
 
 
     def add_workspaces(self, owner: str, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -115,16 +114,6 @@ class StaticBuffers:
                 dst.copy_(input_ids)
             else:
                 torch.clamp(input_ids.to(dst.dtype), 0, vocab_size - 1, out=dst)
-
-    def _current_stream(self) -> torch.cuda.Stream:
-        """The stream the copy went to, rebuilt only when it changes: ``torch.cuda.current_stream()``
-        spends ~4 us of host time building a Stream object on every call."""
-        from ._compat import current_stream_key
-
-        key = current_stream_key(self._device_index)
-        if key != self._stream_key:
-            self._stream_key, self._stream = key, torch.cuda.current_stream(self._device_index)
-        return self._stream
 
     def copy_in(self, plan: StepPlan) -> None:
         """Write a plan made elsewhere (live prefix and padded tail) into the buffers."""

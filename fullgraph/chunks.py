@@ -217,3 +217,14 @@ def _explain(chunks, config, num_blocks, vocab_size, q_lens, starts, n_blocks, t
         other = "the same chunk" if blk_owner[a] == blk_owner[b] else _who(chunks, int(blk_owner[a]))
         raise ValueError(f"{_who(chunks, int(blk_owner[b]))}: block_ids: block {blocks[b]} is also used by {other}")
     raise AssertionError("_explain found no problem the fast check reported")
+
+
+def check_prev_rows(rows: Sequence[int], limit: int) -> None:
+    """``values['prev_token_row']``: ints, each -1 (the token keeps its own id) or a row of the
+    previous step's samples in ``[0, limit)``; a ``ValueError`` naming the first other one."""
+    if len(rows) and all_ints(rows) and -1 <= min(rows) and max(rows) < limit:
+        return
+    for t, row in enumerate(rows):
+        if not is_int(row) or not -1 <= row < limit:
+            raise ValueError(f"values['prev_token_row'][{t}] = {row!r:.40}: expected -1 (the token's own id) or an "
+                             f"int row of the previous step's samples in [0, {limit})")

@@ -17,6 +17,8 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from . import _compat
+
 
 class HostFetch:
     """``HostFetch({"name": (shape, dtype), ...}, device)``: pinned host room for outputs of at most
@@ -26,7 +28,7 @@ class HostFetch:
         cuda = torch.device(device).type == "cuda"
         self._host = [{name: torch.empty(shape, dtype=dtype, pin_memory=cuda) for name, (shape, dtype) in shapes.items()}
                       for _ in range(2)]
-        self._device = torch.device(device)
+        self._step_stream = _compat.CurrentStream(torch.device(device)) if cuda else None
         self._done = [torch.cuda.Event() if cuda else None for _ in range(2)]
         self._ready = torch.cuda.Event() if cuda else None
         self._stream = torch.cuda.Stream(device) if cuda else None
@@ -44,7 +46,7 @@ class HostFetch:
             for name, t in outputs.items():
                 host[name][: len(t)].copy_(t)
         else:
-            self._ready.record(torch.cuda.current_stream(self._device))   # the step's stream: outputs written
+            self._ready.record(self._step_stream())     # in the step's stream: the outputs are written
             self._stream.wait_event(self._ready)
             with torch.cuda.stream(self._stream):
                 for name, t in outputs.items():

@@ -12,8 +12,9 @@ from torch import nn
 from . import _compat, padding, sampling
 from .attention import AttentionBackend, AttentionMetadata, BackendLimits
 from .attention.backends import resolve_backends
-from .block_ids import BlockIdCache, all_ints, is_int
+from .block_ids import BlockIdCache
 from .buffers import StaticBuffers
+from .chunks import check_prev_rows
 from .compile import CompiledStep
 from .config import RunnerConfig, resolve_mode
 from .fields import SAMPLING_FIELDS, StepPlan, structured_fields
@@ -148,11 +149,8 @@ class FullGraphRunner:
         the sampling parameters (``fields.SAMPLING_FIELDS``) and ``prev_token_row``: a token whose
         id is the previous step's sample of row j says j, and the graph reads that id itself.
 
-        ``copy_outputs=False`` (padded and graph modes): the returned tensors are views of the
-        runner's output buffers instead of copies of the caller's own (one device copy a step less:
-        7.8 us for 32 rows of logits at V = 128,256 on an H100). The next ``step`` overwrites them,
-        so use them only in work queued on the current stream before it (``generate.decode_overlapped``
-        takes each step's argmax so).
+        ``copy_outputs=False``: the outputs are views of the runner's buffers, not copies (7.8 us
+        less for 32 rows of logits, H100), for work queued on this stream before the next ``step``.
         """
         with _compat.inference_mode():
             return self._step(chunks, token_ids, values, copy_outputs)
@@ -169,7 +167,7 @@ class FullGraphRunner:
             raise ValueError("values['constrained'] marks constrained rows but values['token_bitmask'] is missing "
                              "(the masks of earlier steps are not kept)")
         if cfg.sampling and values and values.get("prev_token_row") is not None:
-            _check_prev_rows(values["prev_token_row"], cfg.max_num_seqs)
+            check_prev_rows(values["prev_token_row"], cfg.max_num_seqs)
         target = Target(self.fields, self.policy, values, self.buffers.staging() if pad else None)
         plan = plan_with_cache(chunks, cfg, target, pad, cfg.num_blocks, self.vocab_size, self._block_ids,
                                self.blocks.shared_pages())  # cached pages may be named by several chunks
@@ -393,13 +391,3 @@ class FullGraphRunner:
                 f"graph_hits={sum(s['graph_hits'].values())} fallbacks={sum(s['eager_fallbacks'].values())} "
                 f"graphs={s['graphs']} capture={s['capture_seconds']:.2f}s/{s['graph_bytes'] / 2**20:.1f}MiB")
 
-
-def _check_prev_rows(rows: Sequence[int], limit: int) -> None:
-    """``values['prev_token_row']``: ints, each -1 (the token keeps its own id) or a row of the
-    previous step's samples in ``[0, limit)``; a ``ValueError`` naming the first other one."""
-    if len(rows) and all_ints(rows) and -1 <= min(rows) and max(rows) < limit:
-        return
-    for t, row in enumerate(rows):
-        if not is_int(row) or not -1 <= row < limit:
-            raise ValueError(f"values['prev_token_row'][{t}] = {row!r:.40}: expected -1 (the token's own id) or an "
-                             f"int row of the previous step's samples in [0, {limit})")
