@@ -164,6 +164,7 @@ def test_bench_engine_host_runs_on_cpu(tmp_path):
     assert [(r["batch"], r["output_kind"]) for r in rows] == [(1, "delta"), (1, "final_only"), (3, "delta"),
                                                               (3, "final_only")]
     for r in rows:   # every decode step schedules, steps the runner and collects the step before
+        assert r["steps_timed"] == 6   # steps with every request decoding, the batch whole
         assert r["schedule_us"] > 0 and r["runner_us"] > 0 and r["collect_us"] > 0
         assert r["schedule_us"] + r["runner_us"] + r["collect_us"] < r["step_us"]
 

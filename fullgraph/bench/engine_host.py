@@ -1,9 +1,10 @@
 """``python -m fullgraph.bench engine-host``: the host work of one ``fg.Engine`` step once every
 request decodes, by phase, for each batch and output kind.
 
-``batch`` requests of ``context`` random prompt tokens are added at once (greedy, eos ignored);
-the median of the last ``steps`` steps is reported: ``step_us`` (the whole ``engine.step``),
-``schedule_us`` (``Scheduler.schedule``), ``runner_us`` (``runner.step``: plan, page ledger,
+``batch`` requests of ``context`` random prompt tokens are added at once (greedy, eos ignored)
+and generate long enough that all of them decode together for ``steps`` steps after the last
+prompt is in; the median over those steps (``steps_timed``) is reported: ``step_us`` (the whole
+``engine.step``), ``schedule_us`` (``Scheduler.schedule``), ``runner_us`` (``runner.step``: plan, page ledger,
 upload, launch), ``collect_us`` (the previous step's tokens into ``RequestOutput`` objects) and
 ``other_us`` (the rest: the step's chunks and sampling fields, the output fetch, prefix-cache
 bookkeeping). Prompts of equal length are admitted over several prefill steps, so their page
@@ -37,9 +38,14 @@ def _timed(owner, attr: str, name: str, spent: dict[str, float]) -> None:
 
 
 def engine_host_row(model, batch: int, kind: str, context: int, steps: int, cuda: bool) -> dict:
-    max_model_len = -(-(context + steps + 64) // 256) * 256
+    budget = 2048
+    # prompts are admitted over about batch * context / budget prefill steps: every request generates
+    # through them and ``steps`` more, so all ``batch`` of them decode together for ``steps`` steps
+    admission = -(-batch * context // budget) + 2
+    max_tokens = admission + steps + 16
+    max_model_len = -(-(context + max_tokens + 64) // 256) * 256
     # (on CUDA only the decode step's size is captured: the prefill steps before it run eagerly)
-    runner = FullGraphRunner(model, sampling=True, max_num_seqs=batch, max_num_tokens=min(2048, batch * max_model_len),
+    runner = FullGraphRunner(model, sampling=True, max_num_seqs=batch, max_num_tokens=min(budget, batch * max_model_len),
                              max_model_len=max_model_len, cudagraph="full" if cuda else "padded",
                              **({"capture_sizes": (batch,)} if cuda else {}))
     if not cuda:  # host work only: the padded forward is skipped (its warm-up over every bucket too)
@@ -47,7 +53,7 @@ def engine_host_row(model, batch: int, kind: str, context: int, steps: int, cuda
     runner.warmup()
     engine = Engine(runner)
     gen = torch.Generator().manual_seed(batch)
-    params = SamplingParams(temperature=0, max_tokens=steps + 16, ignore_eos=True, output_kind=kind)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, output_kind=kind)
     for r in range(batch):
         engine.add_request(f"r{r}", torch.randint(0, min(1000, runner.vocab_size), (context,), generator=gen).tolist(),
                            params)
@@ -55,16 +61,29 @@ def engine_host_row(model, batch: int, kind: str, context: int, steps: int, cuda
     _timed(engine.scheduler, "schedule", "schedule", spent)
     _timed(runner, "step", "runner", spent)
     _timed(engine, "_collect", "collect", spent)
+    planned: list[list] = []   # each step's slots (counted after the loop, not inside the timed step)
+    schedule = engine.scheduler.schedule
+
+    def kept(prev_rows):
+        slots = schedule(prev_rows)
+        planned.append(slots)
+        return slots
+    engine.scheduler.schedule = kept
     samples: list[tuple[float, ...]] = []
     while engine.has_unfinished():
         spent.clear()
         start = time.perf_counter()
         engine.step()
         samples.append((time.perf_counter() - start, *(spent.get(n, 0.0) for n in names)))
-    steady = samples[-(steps + 2):-2]   # the last decode steps before the requests finish (2 drain)
-    row = {"batch": batch, "output_kind": kind, "context": context}
+    decodes = [len(slots) if all(s.count == 1 for s in slots) else -1 for slots in planned]
+    # the steps that planned ``batch`` decode tokens and collected a step of ``batch`` rows (the
+    # overlapped loop collects the step before): the last ``steps`` of them
+    full = [i for i in range(1, len(samples)) if decodes[i] == batch and decodes[i - 1] == batch][-steps:]
+    if not full:
+        raise RuntimeError(f"engine-host: no step with all {batch} requests decoding (raise --steps)")
+    row = {"batch": batch, "output_kind": kind, "context": context, "steps_timed": len(full)}
     for i, name in enumerate(("step", *names)):
-        row[f"{name}_us"] = statistics.median(s[i] for s in steady) * 1e6
+        row[f"{name}_us"] = statistics.median(samples[j][i] for j in full) * 1e6
     row["other_us"] = row["step_us"] - sum(row[f"{n}_us"] for n in names)
     del engine, runner
     return row
