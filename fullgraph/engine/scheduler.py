@@ -141,21 +141,22 @@ class Scheduler:
     def schedule(self, prev_rows: dict[int, int]) -> list[Slot]:
         """The next step's chunks. ``prev_rows``: id(request) -> its row in the step still in flight
         (requests whose newest token is that step's sample)."""
-        slots, budget, bs, preempted, prefilling = [], self.max_num_tokens, self.block_size, set(), []
+        slots, bs, preempted, prefilling = [], self.block_size, set(), []
+        row, add, new = prev_rows.get, slots.append, tuple.__new__
         # decodes first, oldest first: ``running`` is in admission order (admitted requests are
-        # appended, with a growing ``order``), so no sort is needed
+        # appended, with a growing ``order``), so no sort is needed. (The loop body is the
+        # scheduler's cost at a large batch: ~1 us a request, so each test is as cheap as it gets.)
         for request in list(self.running):
-            if id(request) in preempted:  # a later request preempted for an earlier one's page: waiting now
+            if preempted and id(request) in preempted:  # a later request preempted for an earlier one's page
                 continue
+            computed = request.computed
             length = len(request.prompt_ids) + len(request.outputs) + request.pending
-            if request.computed < length - 1:
+            if computed < length - 1:
                 prefilling.append(request)   # (a preemption below takes only later requests)
                 continue
-            if length >= request.max_len:
-                continue
-            if request.matcher is not None and request.pending:
-                continue  # its next mask needs the token still on the device: it runs every other step
-            if -(-length // bs) > len(request.blocks):  # a page to take (rarely: once every block_size steps)
+            if length >= request.max_len or (request.pending and request.matcher is not None):
+                continue  # done; or constrained: its next mask needs the token still on the device
+            if length > len(request.blocks) * bs:  # a page to take (rarely: once every block_size steps)
                 while not self._ensure_pages(request, length):
                     victim = self._preempt_latest()
                     preempted.add(id(victim))
@@ -163,8 +164,8 @@ class Scheduler:
                         break
                 if id(request) in preempted:
                     continue
-            slots.append(Slot(request, request.computed, 1, prev_rows.get(id(request), -1), True))
-            budget -= 1
+            add(new(Slot, (request, computed, 1, row(id(request), -1), True)))  # Slot(...) without its Python frame
+        budget = self.max_num_tokens - len(slots)
         for request in prefilling:  # unfinished prefills, in admission order
             budget = self._prefill(request, budget, slots)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
