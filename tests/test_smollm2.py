@@ -31,12 +31,9 @@ def path() -> Path:
 
 
 @pytest.fixture(scope="module")
-def theirs(path):
+def theirs(path, smollm2_transformers):
     """transformers' model (eager attention, the plain reference) and tokenizer of the file."""
-    kw = dict(gguf_file=path.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=torch.float32,
-                                                              attn_implementation="eager", **kw).eval()
-    return model, transformers.AutoTokenizer.from_pretrained(str(path.parent), **kw)
+    return smollm2_transformers, transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 @pytest.fixture(scope="module")
