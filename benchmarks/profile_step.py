@@ -25,6 +25,7 @@ import torch
 # kernel name (a regular expression, first match wins) -> kind; the LM head is told apart by
 # order: the step's last matrix kernel
 KINDS = (
+    ("stage-in", r"_stage_in_kernel"),   # the step's staged fields, read from pinned host memory (the graph's first node)
     # a linear with the norm on load, or with RoPE and the KV write in its epilogue (the one-row kernel's or the
     # split-K one's): a linear (it reads the weights)
     ("linear", r"_norm_linear_kernel|_linear_rope_kv_kernel|_skinny_rope_kv_kernel|_skinny_kernel"),

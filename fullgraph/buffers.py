@@ -3,10 +3,13 @@
 Allocated once; their addresses never change (a graph replays raw pointers). Every step field of
 the runner's table (``fullgraph.fields``) lives in one byte buffer, mirrored by one pinned host
 staging area, so a step costs one host-to-device copy: the planner writes the padded plan
-straight into the staging area (``staging``), and ``upload`` sends it: one kernel
-(``kernels.stage_in``) that reads the pinned area over the bus and also writes ids handed over on
-the device, not a copy-engine copy between the step's kernels. On a CPU device the staging area
-*is* the buffer. The step's outputs (logits, sampled ids, ...) are buffers of their own.
+straight into the staging area (``staging``), ``upload`` writes what the host sends beside it
+(ids handed over on the device, "host" fields), and ``stage`` (the first thing a padded step runs,
+captured into its graph) copies the area in: one kernel (``kernels.stage_in``) that reads the
+pinned area over the bus, so the host launches nothing but the graph. The host rewrites the area
+only once the previous step's copy has run (``staging`` waits on an event the graph records right
+after it). On a CPU device the staging area *is* the buffer. The step's outputs (logits, sampled
+ids, ...) are buffers of their own.
 Backends' workspaces are registered here too, so poisoning and the address guard cover them.
 """
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 from ._compat import CurrentStream
 from .config import RunnerConfig
 from .fields import FieldTable, StepPlan
-from .kernels.stage_in import stage_in
+from .kernels.stage_in import CONTROL, stage_in
 from .layout import Staging
 
 _TORCH = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
@@ -35,7 +38,7 @@ def _layout(fields: FieldTable, config: RunnerConfig) -> tuple[dict[str, tuple[s
     for name, (shape, dtype) in sorted(shapes.items(), key=lambda item: -item[1][1].itemsize):
         end = offset + int(np.prod(shape)) * dtype.itemsize
         out[name], offset = (slice(offset, end), shape, dtype), end
-    return out, offset
+    return out, offset + 4 * CONTROL   # the stage-in's control words at the end
 
 
 class StaticBuffers:
@@ -56,8 +59,13 @@ class StaticBuffers:
         on_cuda = self.device.type == "cuda"
         self._dev = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
         self._host = torch.zeros(nbytes, dtype=torch.uint8).pin_memory() if on_cuda else self._dev
-        # what the stage-in kernel copies: every field is 4 or 8 bytes wide, so the area is whole words
+        # what the stage-in kernel copies: every field is 4 or 8 bytes wide, so the area is whole words;
+        # the last two (host side) name the words it skips this step, those of ids written on the device
         self._words = (self._host.view(torch.int32), self._dev.view(torch.int32))
+        self._skip = self._host.numpy().view(np.int32)[-CONTROL:]
+        self._skip[:] = 0
+        self._ids_word = layout["input_ids"][0].start // 4 if "input_ids" in layout else 0
+        self._ids_words = layout["input_ids"][2].itemsize // 4 if "input_ids" in layout else 0   # words an id
         host = self._host.numpy()
         self.tensors = {name: self._dev[b].view(_TORCH[dt]).view(shape) for name, (b, shape, dt) in layout.items()}
         self._staging = Staging({name: host[b].view(dt).reshape(shape) for name, (b, shape, dt) in layout.items()})
@@ -78,7 +86,9 @@ class StaticBuffers:
         # state carried from one step to the next (never poisoned): the last step's sampled ids,
         # which the next step's graph reads for tokens whose prev_token_row says so
         self.feedback = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
-        self._copied = torch.cuda.Event() if on_cuda else None
+        # recorded right after the stage-in, inside each graph (external: an event-record node of its
+        # own, which every replay records), so the host knows when it may rewrite the staging area
+        self._copied = torch.cuda.Event(external=True) if on_cuda else None
         self._current_stream = CurrentStream(self.device) if on_cuda else None   # the stream the step runs on
 
 
@@ -89,34 +99,46 @@ class StaticBuffers:
             self.workspaces[f"{owner}.{name}"] = t
 
     def staging(self) -> dict[str, np.ndarray]:
-        """The max-size host arrays ``upload`` sends (``plan_step``'s ``out``), once the previous
-        upload has left them. What is written there lasts until the next ``staging`` or ``copy_in``."""
+        """The max-size host arrays the step's stage-in sends (``plan_step``'s ``out``), once the
+        previous step's stage-in has read them. What is written there lasts until the next
+        ``staging`` or ``copy_in``."""
         if self._copied is not None:
             self._copied.synchronize()
         return self._staging
 
     def upload(self, input_ids: torch.Tensor | None = None, vocab_size: int | None = None,
                side: Mapping[str, int] | None = None) -> None:
-        """Send the staging area to the device buffers (asynchronous; on CPU the staging area is
-        the buffers), then, when given, ``input_ids`` (a device tensor) over the first
-        ``len(input_ids)`` staged ids, clamped into ``[0, vocab_size)`` so that no id reads outside
-        the embedding. ``side``: "host" fields this step wrote, name -> rows to send (copies in the
-        step's stream: only steps that wrote them, e.g. grammar masks, pay for them)."""
-        if self._copied is not None:  # one kernel, in the step's stream: the staging area and the ids
-            stage_in(*self._words, input_ids, self.tensors["input_ids"], None if vocab_size is None else vocab_size - 1)
-            for name, rows in (side or {}).items():
-                self.tensors[name][:rows].copy_(self._side_host[name][:rows], non_blocking=True)
-            self._copied.record(self._current_stream())
-            return
+        """What a step sends besides the staging area, before its graph (asynchronous): given
+        ``input_ids`` (a device tensor), those ids over the first ``len(input_ids)`` of the step's
+        ids, clamped into ``[0, vocab_size)`` so that no id reads outside the embedding (the
+        stage-in then skips their words); ``side``: "host" fields this step wrote, name -> rows to
+        send (copies in the step's stream: only steps that wrote them, e.g. grammar masks, pay for
+        them). The staging area itself goes in with ``stage``."""
         if input_ids is not None:
             dst = self.tensors["input_ids"][: len(input_ids)]
             if vocab_size is None:
                 dst.copy_(input_ids)
             else:
                 torch.clamp(input_ids.to(dst.dtype), 0, vocab_size - 1, out=dst)
+        if self._copied is None:
+            return
+        n = 0 if input_ids is None else len(input_ids) * self._ids_words
+        self._skip[0], self._skip[1] = self._ids_word, self._ids_word + n
+        for name, rows in (side or {}).items():
+            self.tensors[name][:rows].copy_(self._side_host[name][:rows], non_blocking=True)
+
+    def stage(self) -> None:
+        """The staging area into the device buffers (but the words of ids ``upload`` wrote there),
+        then the event ``staging`` waits on: the first work of every padded step, captured into its
+        graph. A no-op on a CPU device (the staging area is the buffers)."""
+        if self._copied is not None:
+            stream = self._current_stream()
+            stage_in(*self._words)
+            self._copied.record(stream)
 
     def copy_in(self, plan: StepPlan) -> None:
-        """Write a plan made elsewhere (live prefix and padded tail) into the buffers."""
+        """Write a plan made elsewhere (live prefix and padded tail) into the staging area and send
+        its "host" fields; the step's ``stage`` copies the rest in."""
         t, r = plan.num_tokens_padded, plan.num_reqs_padded
         if t > self.config.max_num_tokens or r > self.config.max_num_seqs:
             raise ValueError(f"plan of {t} tokens / {r} requests exceeds the static buffers "
@@ -143,10 +165,13 @@ class StaticBuffers:
     def poison(self, num_tokens: int, num_reqs: int, garbage: int) -> None:
         """Validate mode: garbage past the bucket (T tokens, R requests) in every field, NaN in the
         float outputs and workspaces (-1 in int outputs), so a kernel reading past its bucket or a
-        real row left unwritten shows. Call after ``upload``."""
+        real row left unwritten shows. Call after ``upload``: the staged fields' tails are poisoned
+        in the staging area (the step's stage-in copies them in; on a CPU it is the buffers), the
+        "host" fields' on the device."""
         for name, f in self.fields.items():
-            buf = self.tensors[name]
-            buf[f.real_rows(num_tokens, num_reqs):] = garbage if buf.dtype in (torch.int32, torch.int64) else float("nan")
+            rows = f.real_rows(num_tokens, num_reqs)
+            buf = self._staging[name] if name not in self._side_host else self.tensors[name]
+            buf[rows:] = garbage if f.dtype.kind in "iu" else float("nan")
         for t in (*self.outputs.values(), *self.workspaces.values()):
             t.fill_(float("nan") if t.is_floating_point() else -1)
 

@@ -237,8 +237,9 @@ class FullGraphRunner:
         return False
 
     def _run_static(self, key: GraphKey, num_reqs: int) -> None:
-        """The model over the static buffers of one bucket; what a graph captures."""
+        """The staging area in, then the model over the static buffers of one bucket; what a graph captures."""
         num_tokens, decode_only = key
+        self.buffers.stage()
         self._write_outputs(self._forward(self._inputs(self.buffers.views(num_tokens, num_reqs)), decode_only),
                             num_reqs)
 

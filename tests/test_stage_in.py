@@ -1,86 +1,110 @@
-"""The stage-in kernel (``kernels.stage_in``): the staged words copied exactly, handed-over ids
-clamped over their slice and nothing else touched; under the Triton interpreter on the CPU, and on
-the GPU from pinned host memory (a second step's bytes, never the first's)."""
+"""The stage-in kernel (``kernels.stage_in``): the staged words copied exactly but for the range the
+area's two control words name, which stays as it was on the device; under the Triton interpreter
+on the CPU, and on the GPU from pinned host memory, launched alone and captured in a CUDA graph
+(each replay reads the bytes and the range the host wrote since, never the capture's); and the
+runner's step waiting for the previous step's in-graph copy before it rewrites the staging area."""
 import pytest
 import torch
 
-from fullgraph.kernels.stage_in import stage_in
+import fullgraph as fg
+from fullgraph.kernels.stage_in import CONTROL, stage_in
+from harness import Mode, assert_logits_close, make_runner
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 
 
-def _area(n_words: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random staged words (host; pinned on a GPU machine) and a device area of other garbage."""
+def _area(n_words: int, g: torch.Generator, skip: tuple[int, int] = (0, 0)) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random staged words ending in the control words ``skip`` (host; pinned on a GPU machine) and
+    a device area of other garbage."""
     src = torch.randint(-2**31, 2**31 - 1, (n_words,), dtype=torch.int32, generator=g)
+    src[-CONTROL:] = torch.tensor(skip)
     dst = torch.randint(-2**31, 2**31 - 1, (n_words,), dtype=torch.int32, generator=g).to(DEVICE)
     return (src.pin_memory() if CUDA else src), dst
 
 
-@pytest.mark.parametrize("n_words,block", [(1, 1024), (37, 16), (1024 * 3 + 5, 1024)])
+def _want(src: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+    lo, hi = src[-2].item(), src[-1].item()
+    want = src.clone()
+    want[lo:hi] = before[lo:hi]
+    return want
+
+
+@pytest.mark.parametrize("n_words,block", [(2, 1024), (37, 16), (1024 * 3 + 5, 1024)])
 def test_stage_in_copies_every_word(n_words, block):
     src, dst = _area(n_words, torch.Generator().manual_seed(n_words))
     stage_in(src, dst, block=block)
     assert torch.equal(dst.cpu(), src)
 
 
-@pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32])
-@pytest.mark.parametrize("n_ids,block", [(1, 1024), (21, 8), (300, 64)])
-def test_stage_in_writes_clamped_ids_over_their_slice(ids_dtype, n_ids, block):
-    g = torch.Generator().manual_seed(n_ids)
-    n_words, at, vocab = 2 * 512 + 40, 6, 1000       # an int64 field of 512 at word 6, then other fields
-    src, dst = _area(n_words, g)
-    field = dst[at: at + 2 * 512].view(torch.int64)
-    ids = torch.randint(-50, vocab + 50, (n_ids,), generator=g)
-    ids[0], ids[-1] = -7, vocab + 3                   # one clamped at each end
-    stage_in(src, dst, ids.to(ids_dtype).to(DEVICE), field, vocab - 1, block=block)
-    got, want = dst.cpu(), src.clone()
-    want[at: at + 2 * 512].view(torch.int64)[:n_ids] = ids.clamp(0, vocab - 1)
-    assert torch.equal(got, want)                     # the ids' slice and every other word
-
-
-def test_stage_in_without_a_bound_clamps_at_the_int32_limit():
-    src, dst = _area(64, torch.Generator().manual_seed(1))
-    ids = torch.tensor([5, 2**40, -3])
-    stage_in(src, dst, ids.to(DEVICE), dst[8:].view(torch.int64), None, block=16)
-    assert dst[8:14].cpu().view(torch.int64).tolist() == [5, 2**31 - 1, 0]
-
-
-def test_stage_in_reads_strided_ids():
-    """Ids handed over as a strided view (a column of a bigger tensor) land in order."""
-    g = torch.Generator().manual_seed(4)
-    src, dst = _area(200, g)
-    table = torch.randint(0, 1000, (9, 3), generator=g)
-    stage_in(src, dst, table.to(DEVICE)[:, 1], dst[20:].view(torch.int64), 999, block=32)
-    want = src.clone()
-    want[20:].view(torch.int64)[:9] = table[:, 1]
-    assert torch.equal(dst.cpu(), want)
+@pytest.mark.parametrize("skip,block", [((6, 7), 1024), ((6, 6 + 2 * 21), 8), ((100, 700), 64), ((0, 1064), 64)])
+def test_stage_in_leaves_the_skipped_words(skip, block):
+    """The words ``[lo, hi)`` keep what the device held (ids written there before the copy), whatever
+    program boundaries the range crosses; every other word, the control words included, is copied."""
+    src, dst = _area(2 * 512 + 42, torch.Generator().manual_seed(skip[1]), skip)
+    before = dst.cpu()
+    stage_in(src, dst, block=block)
+    assert torch.equal(dst.cpu(), _want(src, before))
 
 
 def test_stage_in_refuses_mismatched_areas():
     src, dst = _area(16, torch.Generator().manual_seed(2))
     with pytest.raises(ValueError, match="one size"):
         stage_in(src[:8], dst)
-    with pytest.raises(ValueError, match="id bound"):
-        stage_in(src, dst, None, None, 2**31)
-    with pytest.raises(ValueError, match="inside dst"):
-        stage_in(src, dst, torch.ones(4, dtype=torch.int64, device=DEVICE),
-                 torch.zeros(4, dtype=torch.int64, device=DEVICE), 10)
+    with pytest.raises(ValueError, match="control words"):
+        stage_in(src[:1], dst[:1])
+    with pytest.raises(ValueError, match="int32"):
+        stage_in(src.view(torch.float32), dst)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (run `pytest -m gpu` on an H100/H200)")
-def test_stage_in_reads_each_steps_host_bytes():
-    """Pinned host words rewritten between two launches: the second copy sees the new ones (the
-    host reads bypass the GPU's caches), with a step's ids written over their slice each time."""
+@pytest.mark.parametrize("captured", [False, True], ids=["launched", "captured"])
+def test_stage_in_reads_each_steps_host_bytes(captured):
+    """Pinned host words and the skipped range rewritten between launches (or replays of one
+    captured launch): each copy sees the new ones (the host reads bypass the GPU's caches; a
+    graph reads the area's address, not the capture's bytes)."""
     g = torch.Generator().manual_seed(3)
     src, dst = _area(20_000, g)
-    field = dst[100: 100 + 2 * 64].view(torch.int64)
-    for step in range(3):
-        src.copy_(torch.randint(-2**31, 2**31 - 1, (20_000,), dtype=torch.int32, generator=g))
-        ids = torch.randint(0, 128_256, (33,), generator=g)
-        stage_in(src, dst, ids.to(DEVICE), field, 128_255)
+    graph = None
+    if captured:
         torch.cuda.synchronize()
-        want = src.clone()
-        want[100: 100 + 2 * 64].view(torch.int64)[:33] = ids
-        assert torch.equal(dst.cpu(), want), f"step {step}"
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            stage_in(src, dst)
+    for step in range(4):
+        lo = int(torch.randint(0, 19_000, (1,), generator=g))
+        skip = (lo, lo + 2 * 33) if step % 2 else (0, 0)
+        src.copy_(torch.randint(-2**31, 2**31 - 1, (20_000,), dtype=torch.int32, generator=g))
+        src[-CONTROL:] = torch.tensor(skip)
+        dst.copy_(torch.randint(-2**31, 2**31 - 1, (20_000,), dtype=torch.int32, generator=g))
+        before = dst.cpu()
+        graph.replay() if captured else stage_in(src, dst)
+        torch.cuda.synchronize()
+        assert torch.equal(dst.cpu(), _want(src, before)), f"step {step}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (run `pytest -m gpu` on an H100/H200)")
+def test_step_waits_for_the_previous_graphs_stage_in():
+    """A captured step queued behind a long kernel has not read its staging area yet when the next
+    step is planned: the next step must wait for that copy (the event recorded in the graph) and
+    not plan over the area, so each step computes its own chunks' logits."""
+    ref, runner = make_runner(Mode("none", "sdpa")), make_runner(Mode("full"))
+    pages = [ref.blocks.allocate(4) for _ in range(3)]
+    assert [runner.blocks.allocate(4) for _ in range(3)] == pages
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(1, 500, (n,), generator=g).tolist() for n in (9, 4, 13)]
+    steps = [[fg.SeqChunk(p, 0, b) for p, b in zip(prompts, pages)]]
+    for k in range(3):   # decode steps of different ids and positions
+        steps.append([fg.SeqChunk([int(torch.randint(1, 500, (1,), generator=g))], len(p) + k, b)
+                      for p, b in zip(prompts, pages)])
+    runner.step(steps[0])
+    torch.cuda.synchronize()
+    outs = []
+    for chunks in steps[1:]:
+        torch.cuda._sleep(50_000_000)   # tens of ms on the step's stream: the graph waits behind it
+        outs.append(runner.step(chunks, copy_outputs=True))
+    ref.step(steps[0])
+    for chunks, got in zip(steps[1:], outs):
+        assert_logits_close(ref.step(chunks), got)
