@@ -303,18 +303,18 @@ def test_kernel_matches_reference(vocab, knobs):
         assert (ws["zones"][:, 2].cpu()[filtered] > 0).sum() >= 3
 
 
-@pytest.mark.parametrize("knobs", [
-    dict(block=512, num_chunks=3),                                # the default chain and lists
-    dict(block=128, num_chunks=8, chain=2, list_top=2),           # short chain, short lists: more fallbacks
-    dict(block=512, num_chunks=2, chain=1, list_top=1),           # one link: every rejected draw falls back
+@pytest.mark.parametrize("vocab,knobs", [
+    (2000, dict(block=512, num_chunks=3)),                        # the default chain and lists
+    (1200, dict(block=128, num_chunks=8, chain=2, list_top=2)),   # short chain, short lists: more fallbacks
+    (2000, dict(block=512, num_chunks=2, chain=1, list_top=1)),   # one link: every rejected draw falls back
 ])
-def test_chain_rows_match_reference_on_every_path(knobs):
+def test_chain_rows_match_reference_on_every_path(vocab, knobs):
     """Rows with top-p alone (or no filter) take the chain of Gumbel winners (kernels/sampling_chain.py):
     decided at its first link, at a later one, or fallen back to the histogram path (every link under
     the top-p cut rejected, or a link the chunk lists cannot prove). Every path gives the reference's
     token, ties and -inf included."""
     g = torch.Generator().manual_seed(sum(knobs.values()))
-    rows, vocab = 48, 2000
+    rows = 48
     logits = torch.randn(rows, vocab, generator=g) * (torch.rand(rows, 1, generator=g) * 3 + 0.5)
     logits[::4, :vocab // 2] = torch.round(logits[::4, :vocab // 2] * 4) / 4       # bf16-like ties
     logits[1::7, ::3] = -INF
@@ -338,7 +338,7 @@ def test_topk_rows_match_reference_on_every_path(knobs):
     (k > 16 in the second case) falls back to the histograms; larger k keeps the histogram path.
     Every path gives the reference's token, wide ties at the listed threshold included."""
     g = torch.Generator().manual_seed(11 + len(knobs))
-    rows, vocab = 40, 3000
+    rows, vocab = 40, 2000
     logits = torch.randn(rows, vocab, generator=g) * (torch.rand(rows, 1, generator=g) * 3 + 0.5)
     logits[::4] = torch.round(logits[::4] * 2) / 2                                # wide ties
     logits[1::9, ::5] = -INF
