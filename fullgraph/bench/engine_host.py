@@ -64,8 +64,8 @@ def engine_host_row(model, batch: int, kind: str, context: int, steps: int, cuda
     planned: list[list] = []   # each step's slots (counted after the loop, not inside the timed step)
     schedule = engine.scheduler.schedule
 
-    def kept(prev_rows):
-        slots = schedule(prev_rows)
+    def kept():
+        slots = schedule()
         planned.append(slots)
         return slots
     engine.scheduler.schedule = kept

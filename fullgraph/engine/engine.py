@@ -201,8 +201,7 @@ class Engine:
         return self._collect(done) if done is not None else []
 
     def _launch(self) -> _Launched | None:
-        prev = {} if self._inflight is None else {id(r): i for i, r in enumerate(self._inflight.rows) if r is not None}
-        slots = self.scheduler.schedule(prev)
+        slots = self.scheduler.schedule()
         if not slots:
             return None
         # one comprehension per list (a step of 64 decodes builds 64 chunks and 7 x 64 values)
@@ -224,10 +223,12 @@ class Engine:
             fetch.update(logprobs=out.logprobs, top_ids=out.top_ids)
         handle = self._fetch.start(fetch)
         rows = []
-        for slot in slots:
+        for i, slot in enumerate(slots):
             request = slot.request
             request.computed += slot.count
-            request.pending += slot.samples
+            if slot.samples:   # its next token is row i of this step's samples
+                request.pending += 1
+                request.row = i
             rows.append(request if slot.samples else None)
             if request.num_registered < request.num_sealable:  # launched: later steps read its pages written
                 self.prefix_cache.register(request)

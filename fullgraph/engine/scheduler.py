@@ -53,6 +53,7 @@ class Request:
     num_registered: int = 0           # leading pages the prefix cache has dealt with (taken from it, or sealed)
     num_sealable: int = 0             # full pages of the tokens known at admission: those it may seal
     sampling: tuple = ()              # (temperature, top_k, top_p, min_p, seed): its rows of every step's fields
+    row: int = -1                     # its row in the last launched step that samples for it (read while pending)
     prompt_out: list[int] = field(default_factory=list)   # the prompt ids its outputs show (a copy made once)
 
     def __post_init__(self) -> None:
@@ -138,23 +139,23 @@ class Scheduler:
         self.waiting.appendleft(victim)
         return victim
 
-    def schedule(self, prev_rows: dict[int, int]) -> list[Slot]:
-        """The next step's chunks. ``prev_rows``: id(request) -> its row in the step still in flight
-        (requests whose newest token is that step's sample)."""
+    def schedule(self) -> list[Slot]:
+        """The next step's chunks. A request whose newest token is still on the device (``pending``)
+        is the sample of row ``request.row`` of the step in flight (the engine sets it at launch)."""
         slots, bs, preempted, prefilling = [], self.block_size, set(), []
-        row, add, new = prev_rows.get, slots.append, tuple.__new__
+        add, new = slots.append, tuple.__new__
         # decodes first, oldest first: ``running`` is in admission order (admitted requests are
         # appended, with a growing ``order``), so no sort is needed. (The loop body is the
         # scheduler's cost at a large batch: ~1 us a request, so each test is as cheap as it gets.)
         for request in list(self.running):
             if preempted and id(request) in preempted:  # a later request preempted for an earlier one's page
                 continue
-            computed = request.computed
-            length = len(request.prompt_ids) + len(request.outputs) + request.pending
+            computed, pending = request.computed, request.pending
+            length = len(request.prompt_ids) + len(request.outputs) + pending
             if computed < length - 1:
                 prefilling.append(request)   # (a preemption below takes only later requests)
                 continue
-            if length >= request.max_len or (request.pending and request.matcher is not None):
+            if length >= request.max_len or (pending and request.matcher is not None):
                 continue  # done; or constrained: its next mask needs the token still on the device
             if length > len(request.blocks) * bs:  # a page to take (rarely: once every block_size steps)
                 while not self._ensure_pages(request, length):
@@ -164,7 +165,7 @@ class Scheduler:
                         break
                 if id(request) in preempted:
                     continue
-            add(new(Slot, (request, computed, 1, row(id(request), -1), True)))  # Slot(...) without its Python frame
+            add(new(Slot, (request, computed, 1, request.row if pending else -1, True)))  # Slot(...) without its frame
         budget = self.max_num_tokens - len(slots)
         for request in prefilling:  # unfinished prefills, in admission order
             budget = self._prefill(request, budget, slots)
