@@ -103,13 +103,13 @@ def test_a_request_preempted_for_an_earlier_ones_page_gets_no_chunk_that_step():
     early, late = (Request(name, None, list(range(1, n + 1)), GREEDY, 0, None, RequestMetrics(0.0, num_prompt_tokens=n),
                            64) for name, n in (("early", 4), ("late", 12)))
     sched.add(early), sched.add(late)
-    assert [(s.request.request_id, s.count) for s in sched.schedule()] == [("early", 4), ("late", 12)]
+    assert [(r.request_id, count) for r, _, count, _, _ in sched.schedule()] == [("early", 4), ("late", 12)]
     for row, r in enumerate((early, late)):   # their prompts ran; each sampled a token still on the device
         r.computed, r.pending, r.row = len(r.prompt_ids), 1, row
     assert blocks.num_free == 0
     sched.max_num_tokens = 5      # after early's decode, room for a 4-token chunk: one of late's freed pages
     slots = sched.schedule()      # early's 5th position needs a page
-    assert [(s.request.request_id, s.count, s.prev_row) for s in slots] == [("early", 1, 0)]
+    assert [(r.request_id, count, prev) for r, _, count, prev, _ in slots] == [("early", 1, 0)]
     assert sched.running == [early] and list(sched.waiting) == [late] and blocks.num_free == 2
     assert late.computed == 0 and not late.blocks and late.metrics.num_preemptions == 1
 

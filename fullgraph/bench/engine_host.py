@@ -75,7 +75,7 @@ def engine_host_row(model, batch: int, kind: str, context: int, steps: int, cuda
         start = time.perf_counter()
         engine.step()
         samples.append((time.perf_counter() - start, *(spent.get(n, 0.0) for n in names)))
-    decodes = [len(slots) if all(s.count == 1 for s in slots) else -1 for slots in planned]
+    decodes = [len(slots) if all(s[2] == 1 for s in slots) else -1 for slots in planned]   # s[2]: its token count
     # the steps that planned ``batch`` decode tokens and collected a step of ``batch`` rows (the
     # overlapped loop collects the step before): the last ``steps`` of them
     full = [i for i in range(1, len(samples)) if decodes[i] == batch and decodes[i - 1] == batch][-steps:]

@@ -204,16 +204,17 @@ class Engine:
         slots = self.scheduler.schedule()
         if not slots:
             return None
-        # one comprehension per list (a step of 64 decodes builds 64 chunks and 7 x 64 values)
-        chunks = [SeqChunk(_ONE if s.prev_row >= 0 else s.request.tokens(s.start, s.start + s.count), s.start,
-                           s.request.blocks, s.request.request_id) for s in slots]
+        # one comprehension per list (a step of 64 decodes builds 64 chunks and 7 x 64 values);
+        # a slot is (request, start, count, prev_row, samples)
+        chunks = [SeqChunk(_ONE if prev >= 0 else r.tokens(start, start + count), start, r.blocks, r.request_id)
+                  for r, start, count, prev, _ in slots]
         values = dict(zip(("temperature", "top_k", "top_p", "min_p", "seed"),
-                          map(list, zip(*(s.request.sampling for s in slots)))))
-        values["sample_offset"] = [len(s.request.outputs) + s.request.pending for s in slots]
-        if all(s.count == 1 for s in slots):
-            values["prev_token_row"] = [s.prev_row for s in slots]
+                          map(list, zip(*(s[0].sampling for s in slots)))))
+        values["sample_offset"] = [len(s[0].outputs) + s[0].pending for s in slots]
+        if all(s[2] == 1 for s in slots):
+            values["prev_token_row"] = [s[3] for s in slots]
         else:
-            values["prev_token_row"] = [row for s in slots for row in (*([-1] * (s.count - 1)), s.prev_row)]
+            values["prev_token_row"] = [row for _, _, count, prev, _ in slots for row in (*([-1] * (count - 1)), prev)]
         if self.runner.config.structured:
             self._masks(slots, values)
         out = self.runner.step(chunks, values=values)
@@ -223,25 +224,24 @@ class Engine:
             fetch.update(logprobs=out.logprobs, top_ids=out.top_ids)
         handle = self._fetch.start(fetch)
         rows = []
-        for i, slot in enumerate(slots):
-            request = slot.request
-            request.computed += slot.count
-            if slot.samples:   # its next token is row i of this step's samples
+        for i, (request, _, count, _, samples) in enumerate(slots):
+            request.computed += count
+            if samples:   # its next token is row i of this step's samples
                 request.pending += 1
                 request.row = i
-            rows.append(request if slot.samples else None)
+            rows.append(request if samples else None)
             if request.num_registered < request.num_sealable:  # launched: later steps read its pages written
                 self.prefix_cache.register(request)
         return _Launched(handle, rows)
 
     def _masks(self, slots, values: dict) -> None:
         """The constrained chunks' allowed-token masks (only when there is one: the field is big)."""
-        flags = [int(s.samples and s.request.matcher is not None) for s in slots]
+        flags = [int(samples and r.matcher is not None) for r, _, _, _, samples in slots]
         values["constrained"] = flags
         if any(flags):
             words = -(-self.runner.vocab_size // 32)
             masks = np.zeros((len(slots), words), dtype=np.int32)
-            self._grammars.fill_masks([(s.request.matcher, i) for i, s in enumerate(slots) if flags[i]], masks)
+            self._grammars.fill_masks([(s[0].matcher, i) for i, s in enumerate(slots) if flags[i]], masks)
             values["token_bitmask"] = masks
 
     def _collect(self, launched: _Launched) -> list[RequestOutput]:

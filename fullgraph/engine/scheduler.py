@@ -14,7 +14,7 @@ cached page lives on, evictable, for the next request (or the preempted one, whe
 
 With the engine's overlapped loop a request's newest token may still be on the device when the
 next step is planned: ``pending`` counts such tokens, and the next step reads them where they lie
-(``Slot.prev_row``). A request's length known to the scheduler includes them. A constrained
+(a slot's ``prev_row``). A request's length known to the scheduler includes them. A constrained
 request (structured output) waits a step instead: its next allowed-token mask needs that token.
 """
 from __future__ import annotations
@@ -22,7 +22,6 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from ..kv_cache import BlockAllocator
 from .pages import PrefixCache
@@ -78,17 +77,7 @@ class Request:
         return seq[start:end]
 
 
-class Slot(NamedTuple):
-    """One chunk of the next step: ``request``'s tokens at positions ``start .. start + count - 1``.
-    ``prev_row``: the last of them is the previous step's sample of that row (else -1).
-    ``samples``: the step's sample of this chunk is the request's next output. (A named tuple: a
-    step makes one per running request, and a frozen dataclass costs twice as much to build.)"""
-
-    request: Request
-    start: int
-    count: int
-    prev_row: int
-    samples: bool
+Slot = tuple  # (request, start, count, prev_row, samples): see ``Scheduler.schedule``
 
 
 class Scheduler:
@@ -140,10 +129,15 @@ class Scheduler:
         return victim
 
     def schedule(self) -> list[Slot]:
-        """The next step's chunks. A request whose newest token is still on the device (``pending``)
-        is the sample of row ``request.row`` of the step in flight (the engine sets it at launch)."""
+        """The next step's chunks, each a ``(request, start, count, prev_row, samples)`` tuple: the
+        request's tokens at positions ``start .. start + count - 1``; ``prev_row``: the last of them
+        is the step in flight's sample of that row (else -1); ``samples``: the step's sample of this
+        chunk is the request's next output. (Plain tuples: a step makes one per running request,
+        and a named tuple costs three times as much to build.) A request whose newest token is
+        still on the device (``pending``) is the sample of row ``request.row`` of the step in
+        flight (the engine sets it at launch)."""
         slots, bs, preempted, prefilling = [], self.block_size, set(), []
-        add, new = slots.append, tuple.__new__
+        add = slots.append
         # decodes first, oldest first: ``running`` is in admission order (admitted requests are
         # appended, with a growing ``order``), so no sort is needed. (The loop body is the
         # scheduler's cost at a large batch: ~1 us a request, so each test is as cheap as it gets.)
@@ -165,7 +159,7 @@ class Scheduler:
                         break
                 if id(request) in preempted:
                     continue
-            add(new(Slot, (request, computed, 1, request.row if pending else -1, True)))  # Slot(...) without its frame
+            add((request, computed, 1, request.row if pending else -1, True))
         budget = self.max_num_tokens - len(slots)
         for request in prefilling:  # unfinished prefills, in admission order
             budget = self._prefill(request, budget, slots)
@@ -205,7 +199,7 @@ class Scheduler:
         count = min(todo, budget)
         if count <= 0 or not self._ensure_pages(request, request.computed + count):
             return budget
-        slots.append(Slot(request, request.computed, count, -1, count == todo))
+        slots.append((request, request.computed, count, -1, count == todo))
         # its prompt tokens; one left for the decode loop (a chunk ending just short of it) counts now
         self.prefill_tokens += max(0, min(count + (count == todo - 1), len(request.prompt_ids) - request.computed))
         return budget - count
