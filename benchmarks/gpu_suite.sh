@@ -26,6 +26,7 @@
 #   head32-ab (the LM head's GEMM writing float32 logits, FULLGRAPH_FUSE=...,head32, against the default)
 #   loop-ab (decode loops and the overlapped loop's timeline of .base/, MORE_TREES and this tree)
 #   host-ab (the host stages of .base/ and this tree, alternating)
+#   stage-ab (the stage-in's event in line against on a branch, FULLGRAPH_STAGE_EVENT=branch: tests, decode rows)
 # Logs and JSON land in $OUT (or ./out); each part has its own time limit so a call stays bounded.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -372,6 +373,17 @@ host-ab)  # a decode step's host stages in .base/ and in this tree, alternating,
             tag=$([ "$tree" = . ] && echo new || echo base)
             (cd $tree && PYTHONPATH=. run "hostab_${tag}_$i" 60 python3 -m fullgraph.bench host --preset llama-1b \
                 --out "$OUT/hostab_${tag}_$i.json")
+        done
+    done
+    ;;
+stage-ab)  # the stage-in's event recorded in line (the default) or on a branch beside the step's kernels
+    # (FULLGRAPH_STAGE_EVENT=branch): the capture tests with the branch, then decode rows alternating
+    FULLGRAPH_STAGE_EVENT=branch run stage_branch_tests 150 python3 -m pytest -q -p no:cacheprovider \
+        tests/test_stage_in.py tests/test_device_token_ids.py tests/test_runner.py
+    for i in 1 2; do
+        for ev in inline branch; do
+            FULLGRAPH_STAGE_EVENT=$ev run "stageab_${ev}_$i" 90 python3 -m fullgraph.bench decode --preset llama-1b \
+                --batch 1 32 --context 1024 --modes full --steps 40 --loop sync overlap --out "$OUT/stageab_${ev}_$i.json"
         done
     done
     ;;

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from . import env
 from ._compat import CurrentStream
 from .config import RunnerConfig
 from .fields import FieldTable, StepPlan
@@ -87,8 +88,11 @@ class StaticBuffers:
         # which the next step's graph reads for tokens whose prev_token_row says so
         self.feedback = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
         # recorded right after the stage-in, inside each graph (external: an event-record node of its
-        # own, which every replay records), so the host knows when it may rewrite the staging area
+        # own, which every replay records), so the host knows when it may rewrite the staging area;
+        # with FULLGRAPH_STAGE_EVENT=branch on a branch of its own (a second stream, rejoined at the
+        # step's end), so that the record runs beside the model's kernels, not between them
         self._copied = torch.cuda.Event(external=True) if on_cuda else None
+        self._branch = torch.cuda.Stream(self.device) if on_cuda and env.stage_event() == "branch" else None
         self._current_stream = CurrentStream(self.device) if on_cuda else None   # the stream the step runs on
 
 
@@ -129,12 +133,23 @@ class StaticBuffers:
 
     def stage(self) -> None:
         """The staging area into the device buffers (but the words of ids ``upload`` wrote there),
-        then the event ``staging`` waits on: the first work of every padded step, captured into its
-        graph. A no-op on a CPU device (the staging area is the buffers)."""
+        then the event ``staging`` waits on (in the step's stream, or on a branch beside it: see
+        ``join``): the first work of every padded step, captured into its graph. A no-op on a CPU
+        device (the staging area is the buffers)."""
         if self._copied is not None:
             stream = self._current_stream()
             stage_in(*self._words)
-            self._copied.record(stream)
+            if self._branch is None:
+                self._copied.record(stream)
+            else:
+                self._branch.wait_stream(stream)
+                self._copied.record(self._branch)
+
+    def join(self) -> None:
+        """The last work of every padded step: with the event on a branch, the step's stream waits
+        for it (a captured graph's branches must rejoin before the capture ends)."""
+        if self._branch is not None:
+            self._current_stream().wait_stream(self._branch)
 
     def copy_in(self, plan: StepPlan) -> None:
         """Write a plan made elsewhere (live prefix and padded tail) into the staging area and send

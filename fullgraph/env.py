@@ -17,6 +17,13 @@ variable                          effect                                        
                                   their wait (default ``late``: after their last
                                   weight tile)
 ``FULLGRAPH_COMPILE_WORKERS=N``   threads compiling Triton kernels ahead (0: off)     at each capture
+``FULLGRAPH_STAGE_EVENT=WHERE``   where a step's graph records the event the host     once
+                                  waits on before it rewrites the staging area:
+                                  ``inline`` (the default: right after the stage-in,
+                                  between it and the model's first kernel) or
+                                  ``branch`` (on a second stream beside the model's
+                                  kernels, rejoined at the step's end; opt-in until
+                                  timed)
 ``FULLGRAPH_LINEAR=IMPL``         linears of 2-64 rows: ``auto`` (the default: on CUDA      once
                                   the split-K weight-streaming kernel for 2-32 rows,
                                   the decoder layer's norm, residual and RoPE + KV
@@ -48,6 +55,7 @@ PDL = "FULLGRAPH_PDL"
 COMPILE_WORKERS = "FULLGRAPH_COMPILE_WORKERS"
 LINEAR = "FULLGRAPH_LINEAR"
 FUSE = "FULLGRAPH_FUSE"
+STAGE_EVENT = "FULLGRAPH_STAGE_EVENT"
 FUSIONS = ("layer", "rope", "reduce", "layernorm", "head32")
 DEFAULT_FUSIONS = "layer,rope"
 
@@ -106,6 +114,15 @@ def linear_impl() -> str:
     value = os.environ.get(LINEAR, "auto")
     if value not in ("auto", "triton", "skinny", "cublas"):
         raise ValueError(f"{LINEAR}={value!r}: expected auto, triton, skinny or cublas")
+    return value
+
+
+@functools.cache
+def stage_event() -> str:
+    """``FULLGRAPH_STAGE_EVENT``: ``inline`` or ``branch`` (read once)."""
+    value = os.environ.get(STAGE_EVENT, "inline")
+    if value not in ("inline", "branch"):
+        raise ValueError(f"{STAGE_EVENT}={value!r}: expected inline (the default) or branch")
     return value
 
 

@@ -242,6 +242,7 @@ class FullGraphRunner:
         self.buffers.stage()
         self._write_outputs(self._forward(self._inputs(self.buffers.views(num_tokens, num_reqs)), decode_only),
                             num_reqs)
+        self.buffers.join()
 
     def _inputs(self, fields: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self.config.sampling:  # the previous step's samples, which tokens with prev_token_row take

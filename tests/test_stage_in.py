@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import fullgraph as fg
+from fullgraph import env
 from fullgraph.kernels.stage_in import CONTROL, stage_in
 from harness import Mode, assert_logits_close, make_runner
 
@@ -57,6 +58,21 @@ def test_stage_in_refuses_mismatched_areas():
         stage_in(src.view(torch.float32), dst)
 
 
+def test_stage_event_switch_is_validated(monkeypatch):
+    try:
+        for value in ("inline", "branch"):
+            monkeypatch.setenv(env.STAGE_EVENT, value)
+            env.stage_event.cache_clear()
+            assert env.stage_event() == value
+        monkeypatch.setenv(env.STAGE_EVENT, "later")
+        env.stage_event.cache_clear()
+        with pytest.raises(ValueError, match="FULLGRAPH_STAGE_EVENT"):
+            env.stage_event()
+    finally:
+        monkeypatch.delenv(env.STAGE_EVENT)
+        env.stage_event.cache_clear()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (run `pytest -m gpu` on an H100/H200)")
 @pytest.mark.parametrize("captured", [False, True], ids=["launched", "captured"])
@@ -86,11 +102,15 @@ def test_stage_in_reads_each_steps_host_bytes(captured):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (run `pytest -m gpu` on an H100/H200)")
-def test_step_waits_for_the_previous_graphs_stage_in():
+@pytest.mark.parametrize("where", ["inline", "branch"])
+def test_step_waits_for_the_previous_graphs_stage_in(where, monkeypatch):
     """A captured step queued behind a long kernel has not read its staging area yet when the next
-    step is planned: the next step must wait for that copy (the event recorded in the graph) and
-    not plan over the area, so each step computes its own chunks' logits."""
+    step is planned: the next step must wait for that copy (the event recorded in the graph, in
+    line or on a branch: ``FULLGRAPH_STAGE_EVENT``) and not plan over the area, so each step
+    computes its own chunks' logits."""
+    monkeypatch.setattr(env, "stage_event", lambda: where)
     ref, runner = make_runner(Mode("none", "sdpa")), make_runner(Mode("full"))
+    assert (runner.buffers._branch is not None) == (where == "branch")
     pages = [ref.blocks.allocate(4) for _ in range(3)]
     assert [runner.blocks.allocate(4) for _ in range(3)] == pages
     g = torch.Generator().manual_seed(7)
