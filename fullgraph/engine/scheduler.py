@@ -77,7 +77,7 @@ class Request:
         return seq[start:end]
 
 
-Slot = tuple  # (request, start, count, prev_row, samples): see ``Scheduler.schedule``
+Slot = tuple[Request, int, int, int, bool]  # (request, start, count, prev_row, samples): see ``Scheduler.schedule``
 
 
 class Scheduler:
