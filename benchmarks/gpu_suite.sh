@@ -382,8 +382,11 @@ stage-ab)  # the stage-in's event recorded in line (the default) or on a branch 
         tests/test_stage_in.py tests/test_device_token_ids.py tests/test_runner.py
     for i in 1 2; do
         for ev in inline branch; do
-            FULLGRAPH_STAGE_EVENT=$ev run "stageab_${ev}_$i" 90 python3 -m fullgraph.bench decode --preset llama-1b \
-                --batch 1 32 --context 1024 --modes full --steps 40 --loop sync overlap --out "$OUT/stageab_${ev}_$i.json"
+            for preset in llama-1b smollm2-135m; do
+                FULLGRAPH_STAGE_EVENT=$ev run "stageab_${preset}_${ev}_$i" 90 python3 -m fullgraph.bench decode \
+                    --preset $preset --batch 1 32 --context 1024 --modes full --steps 40 --loop sync overlap \
+                    --out "$OUT/stageab_${preset}_${ev}_$i.json"
+            done
         done
     done
     ;;
