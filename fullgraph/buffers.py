@@ -65,8 +65,8 @@ class StaticBuffers:
         self._words = (self._host.view(torch.int32), self._dev.view(torch.int32))
         self._skip = self._host.numpy().view(np.int32)[-CONTROL:]
         self._skip[:] = 0
-        self._ids_word = layout["input_ids"][0].start // 4 if "input_ids" in layout else 0
-        self._ids_words = layout["input_ids"][2].itemsize // 4 if "input_ids" in layout else 0   # words an id
+        ids_bytes, _, ids_dtype = layout["input_ids"]
+        self._ids_word, self._ids_words = ids_bytes.start // 4, ids_dtype.itemsize // 4   # first word, words an id
         host = self._host.numpy()
         self.tensors = {name: self._dev[b].view(_TORCH[dt]).view(shape) for name, (b, shape, dt) in layout.items()}
         self._staging = Staging({name: host[b].view(dt).reshape(shape) for name, (b, shape, dt) in layout.items()})
