@@ -27,6 +27,7 @@
 #   loop-ab (decode loops and the overlapped loop's timeline of .base/, MORE_TREES and this tree)
 #   host-ab (the host stages of .base/ and this tree, alternating)
 #   stage-ab (the stage-in's event in line against on a branch, FULLGRAPH_STAGE_EVENT=branch: tests, decode rows)
+#   forms (linears of 2-32 rows timed at capture, split-K or cuBLAS kept, against each pinned: tests, decode rows)
 # Logs and JSON land in $OUT (or ./out); each part has its own time limit so a call stays bounded.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -387,6 +388,16 @@ stage-ab)  # the stage-in's event recorded in line (the default) or on a branch 
                     --preset $preset --batch 1 32 --context 1024 --modes full --steps 40 --loop sync overlap \
                     --out "$OUT/stageab_${preset}_${ev}_$i.json"
             done
+        done
+    done
+    ;;
+forms)  # the linears of 2-32 rows timed at capture (auto: each size captured with the split-K kernel and with
+    # cuBLAS, the faster kept) against either form pinned, llama-1b and SmolLM2 at 8 and 32 rows, each its process
+    run forms_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_capture_forms.py
+    for impl in auto skinny cublas; do
+        for preset in llama-1b smollm2-135m; do
+            FULLGRAPH_LINEAR=$impl run "forms_${preset}_$impl" 90 python3 -m fullgraph.bench decode --preset $preset \
+                --batch 8 32 --context 1024 --modes full --steps 30 --loop sync overlap --out "$OUT/forms_${preset}_$impl.json"
         done
     done
     ;;

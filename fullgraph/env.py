@@ -27,7 +27,9 @@ variable                          effect                                        
 ``FULLGRAPH_LINEAR=IMPL``         linears of 2-64 rows: ``auto`` (the default: on CUDA      once
                                   the split-K weight-streaming kernel for 2-32 rows,
                                   the decoder layer's norm, residual and RoPE + KV
-                                  write fused into it; cuBLAS for 33-64), ``skinny``
+                                  write fused into it, each such captured size also
+                                  captured with cuBLAS and the faster graph kept;
+                                  cuBLAS for 33-64), ``skinny``
                                   (split-K for 2-64), ``cublas`` (2-64, the layer
                                   unfused) or ``triton`` (our tl.dot kernel)
 ``FULLGRAPH_FUSE=A,B``            decoder-layer fusions, default ``layer,rope``             once

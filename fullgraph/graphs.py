@@ -5,6 +5,7 @@ import gc
 import logging
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,9 @@ from .kernels import compile_ahead
 logger = logging.getLogger("fullgraph")
 
 GraphKey = tuple[int, bool]  # (padded token count, decode-only)
+# a key's candidate forms: (name, a context within which a run is that form), the default first
+Variants = Sequence[tuple[str, Callable[[], AbstractContextManager]]]
+MARGIN = 0.01  # another form replaces the default only when its replays are this much shorter
 
 
 @dataclass(frozen=True)
@@ -26,12 +30,28 @@ class CaptureReport:
     record_seconds: float = 0.0       # running the step under stream capture
     instantiate_seconds: float = 0.0  # ending each capture: instantiating its graph
     compile_seconds: float = 0.0      # compiling every key's Triton kernels ahead, in parallel (kernels.compile_ahead)
+    chosen: tuple[tuple[GraphKey, str, tuple[float, ...]], ...] = ()  # keys captured in several forms: the
+    #                                   form kept and every form's replay ms, in the order they were offered
+    choose_seconds: float = 0.0       # capturing and timing the forms that were not kept
 
     def __str__(self) -> str:
-        return (f"captured {self.num_graphs} graphs in {self.seconds:.2f} s (Triton kernels compiled ahead "
+        text = (f"captured {self.num_graphs} graphs in {self.seconds:.2f} s (Triton kernels compiled ahead "
                 f"{self.compile_seconds:.2f} s, warm-up runs {self.warmup_seconds:.2f} s, recording "
                 f"{self.record_seconds:.2f} s, instantiation {self.instantiate_seconds:.2f} s), "
                 f"{self.graph_bytes / 2**20:.1f} MiB of graph memory")
+        if self.chosen:
+            forms = ", ".join(f"{key[0]}{'' if key[1] else ' mixed'}: {name} "
+                              f"({' / '.join(f'{t:.3f}' for t in times)} ms)" for key, name, times in self.chosen)
+            text += f"; timed at capture ({self.choose_seconds:.2f} s): {forms}"
+        return text
+
+
+def pick(times: Sequence[float], margin: float = MARGIN) -> int:
+    """Which of several forms' replay times to keep: the first (the default) unless another's is
+    shorter by more than ``margin`` of it, then the shortest (a near tie keeps the default, so the
+    choice does not flip between processes on noise)."""
+    best = min(range(len(times)), key=times.__getitem__)
+    return best if times[best] < times[0] * (1 - margin) else 0
 
 
 class AddressMovedError(RuntimeError):
@@ -60,7 +80,11 @@ class GraphSet:
 
     def capture(self, keys: Sequence[GraphKey], prepare: Callable[[GraphKey], None],
                 run: Callable[[GraphKey], None], addresses: Callable[[], dict[str, int]],
-                warmups: int = 1) -> CaptureReport:
+                warmups: int = 1, variants: Callable[[GraphKey], Variants] | None = None) -> CaptureReport:
+        """``variants(key)``: where it offers several forms of a key's step, each is captured (the
+        first as every other key, the rest after a warm-up run of their own), their replays timed
+        against each other and the fastest kept (:func:`pick`); the others' graphs are dropped, their
+        memory back in the pool for the smaller keys."""
         keys = sorted(keys, reverse=True)  # largest first: smaller graphs reuse its pool blocks
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()  # once, so the reserved-memory difference below is the graphs'
@@ -69,6 +93,7 @@ class GraphSet:
         gc.collect()
         gc.disable()
         phases = [0.0, 0.0, 0.0]  # warm-up, recording, instantiation
+        chosen, choosing = [], 0.0
         try:
             compiled = compile_ahead.compile_runs((lambda k=k: (prepare(k), run(k))) for k in keys)
             for i, key in enumerate(keys):
@@ -82,6 +107,12 @@ class GraphSet:
                 phases[0] += t1 - t0
                 phases[1] += recording
                 phases[2] += time.perf_counter() - t1 - recording
+                forms = variants(key) if variants is not None else ()
+                if len(forms) > 1:
+                    t2 = time.perf_counter()
+                    name, times = self._choose(key, forms, run, warmups)
+                    chosen.append((key, name, times))
+                    choosing += time.perf_counter() - t2
                 if (i + 1) % 16 == 0 or i + 1 == len(keys):
                     logger.info("capture: %d/%d graphs (%.1f s)", i + 1, len(keys), time.perf_counter() - start)
         finally:
@@ -90,7 +121,43 @@ class GraphSet:
         torch.cuda.empty_cache()  # the warm-up runs' cached blocks; the graphs' pool stays
         self._addresses = addresses()
         return CaptureReport(len(keys), time.perf_counter() - start,
-                             torch.cuda.memory_reserved(self.device) - reserved0, tuple(keys), *phases, compiled)
+                             torch.cuda.memory_reserved(self.device) - reserved0, tuple(keys), *phases, compiled,
+                             tuple(chosen), choosing)
+
+    def _choose(self, key: GraphKey, forms: Variants, run: Callable[[GraphKey], None],
+                warmups: int) -> tuple[str, tuple[float, ...]]:
+        """Capture ``key`` in each of ``forms`` after the first (already in ``self.graphs``), time
+        them all, keep the fastest graph; returns its name and every form's replay ms."""
+        graphs = [self.graphs[key]]
+        for _, context in forms[1:]:
+            with context():
+                for _ in range(warmups):
+                    run(key)
+                torch.cuda.synchronize(self.device)
+                graphs.append(self._record(run, key)[0])
+        times = self._replay_ms(graphs)
+        best = pick(times)
+        self.graphs[key] = graphs[best]
+        del graphs
+        return forms[best][0], tuple(times)
+
+    def _replay_ms(self, graphs: Sequence[torch.cuda.CUDAGraph], rounds: int = 5, replays: int = 8) -> list[float]:
+        """Each graph's shortest mean replay (ms) over ``rounds`` of ``replays`` back-to-back replays,
+        the graphs taking turns (a clock or a neighbour's drift hits all of them alike)."""
+        for graph in graphs:  # a first replay of each: lazy loads, the allocator's first touch
+            graph.replay()
+        best = [float("inf")] * len(graphs)
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in graphs]
+        for _ in range(rounds):
+            for i, graph in enumerate(graphs):
+                events[i][0].record()
+                for _ in range(replays):
+                    graph.replay()
+                events[i][1].record()
+            torch.cuda.synchronize(self.device)
+            for i, (begin, end) in enumerate(events):
+                best[i] = min(best[i], begin.elapsed_time(end) / replays)
+        return best
 
     def _record(self, run: Callable[[GraphKey], None], key: GraphKey) -> tuple[torch.cuda.CUDAGraph, float]:
         """Capture one run of ``key`` on the side stream into the shared pool; returns the graph

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +19,7 @@ from .compile import CompiledStep
 from .config import RunnerConfig, resolve_mode
 from .fields import SAMPLING_FIELDS, StepPlan, structured_fields
 from .graphs import CaptureReport, GraphKey, GraphSet
-from .kernels import compile_ahead
+from .kernels import compile_ahead, linear_choice
 from .kv_cache import BlockAllocator, KVCacheSpec, allocate_kv_caches
 from .models import from_hf
 from .models.base import check_model
@@ -352,8 +352,14 @@ class FullGraphRunner:
         def run(key: GraphKey) -> None:
             self._run_static(key, cfg.padded_num_reqs(key[0]))
 
+        def variants(key: GraphKey) -> list[tuple[str, Callable]]:  # the linears of 2-32 rows: measured
+            if not linear_choice.tunable(key[0], self.dtype):
+                return []
+            return [(impl, lambda impl=impl: linear_choice.forced(impl)) for impl in linear_choice.TUNED]
+
         logger.info("fullgraph: capturing %d CUDA graphs ...", len(self.graph_keys()))
-        self._capture_report = self._graphs.capture(self.graph_keys(), prepare, run, self._addresses)
+        self._capture_report = self._graphs.capture(self.graph_keys(), prepare, run, self._addresses,
+                                                    variants=variants)
         logger.info("fullgraph: %s", self._capture_report)
         self._finish_warmup()
         return self._capture_report
@@ -373,7 +379,8 @@ class FullGraphRunner:
             s["graph_hits"][plan.key] += 1
 
     def stats(self) -> dict:
-        """Steps, graph hits per key, eager fallbacks with reasons, padding waste, capture cost."""
+        """Steps, graph hits per key, eager fallbacks with reasons, padding waste, capture cost, the
+        forms kept where a key was captured in several."""
         s = self._stats
         total = s["tokens"] + s["padded_tokens"]
         report = self._capture_report
@@ -383,6 +390,8 @@ class FullGraphRunner:
                 "graphs": report.num_graphs if report else 0,
                 "capture_seconds": report.seconds if report else 0.0,
                 "graph_bytes": report.graph_bytes if report else 0,
+                # keys captured in several forms (linears of 2-32 rows): the form kept, each form's replay ms
+                "forms": {key: (name, times) for key, name, times in report.chosen} if report else {},
                 "compiled_graphs": self._compiled.stats.graphs if self._compiled else 0,
                 "compile_seconds": self._compiled.stats.seconds if self._compiled else 0.0,
                 "recompiles_after_warmup": self._compiled.stats.recompiles_after_warmup if self._compiled else 0}

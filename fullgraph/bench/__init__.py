@@ -203,7 +203,8 @@ def _decode_rows(args, model, device, w_bytes, bandwidth, context, batch, mode) 
              "p90_ms": np.percentile(t, 90) * 1e3, "floor_ms": floor, "weight_bytes": w_bytes,
              "kv_bytes": kv_read, "kv_MB": kv_read / 1e6, "kv_dense_MB": kv_dense / 1e6, "copy_TBps": bandwidth / 1e12, "compile_s": stats["compile_seconds"],
              "capture_s": stats["capture_seconds"], "replay_ms": replay, "replay1_ms": replay1,
-             "launch_ms": launch} for loop, t in timed.items()]
+             "launch_ms": launch, "linear_form": stats["forms"].get((batch, True), ("-",))[0],
+             "form_ms": list(stats["forms"].get((batch, True), ("-", ()))[1])} for loop, t in timed.items()]
     del runner
     gc.collect()
     if device.type == "cuda":
@@ -223,7 +224,7 @@ def kv_bytes(model, kv_caches, batch: int, context: int) -> tuple[int, int]:
 
 
 DECODE_COLUMNS = ["preset", "batch", "context", "mode", "tensor_parallel", "attention", "loop", "step_ms", "replay1_ms",
-                  "replay_ms", "launch_ms", "p90_ms", "floor_ms", "kv_MB", "kv_dense_MB", "compile_s"]
+                  "replay_ms", "launch_ms", "p90_ms", "floor_ms", "kv_MB", "kv_dense_MB", "compile_s", "linear_form"]
 
 
 def _peer_rows(args, model, w_bytes, bandwidth, context, batch, like: dict) -> list[dict]:
@@ -250,7 +251,8 @@ def _peer_rows(args, model, w_bytes, bandwidth, context, batch, like: dict) -> l
                      "step_ms": t["step_ms"], "replay_ms": t["replay_ms"], "replay1_ms": float("nan"),
                      "launch_ms": float("nan"), "p10_ms": float("nan"), "p90_ms": float("nan"),
                      "floor_ms": (w_bytes + dense) / bandwidth * 1e3, "kv_bytes": dense, "kv_MB": dense / 1e6,
-                     "kv_dense_MB": dense / 1e6, "compile_s": float("nan"), "capture_s": float("nan")})
+                     "kv_dense_MB": dense / 1e6, "compile_s": float("nan"), "capture_s": float("nan"),
+                     "linear_form": "-"})
         print(f"  {args.preset} context {context} batch {batch} {kind}: {t['step_ms']:.3f} ms", flush=True)
     return rows
 

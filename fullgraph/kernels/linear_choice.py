@@ -12,12 +12,21 @@ rows cuBLAS is faster (llama-1b 2.339 against 2.409, SmolLM2 1.646 against 1.756
 take cuBLAS, as every longer step does. ``FULLGRAPH_LINEAR`` (``fullgraph.env``) overrides:
 ``skinny`` for 2-64 rows, ``cublas`` for all of them (the unfused layer), ``triton`` for our
 ``tl.dot`` path (about twice cuBLAS's time at 32 rows: benchmarks and tests).
-Under the Triton interpreter (no CUDA) ``auto`` takes ours: the kernel under test. A choice measured
-at run time would have to time each candidate inside a CUDA graph over weights that miss the L2,
-as a step sees them: timed eagerly, back to back, launch overhead and a cache-resident weight
-decided it, and chose ours where it is twice as slow.
+Under the Triton interpreter (no CUDA) ``auto`` takes ours: the kernel under test.
+
+Measured, not assumed: where the split-K kernel serves a step (``auto``, 2-32 rows), the runner
+captures that step's graph twice, once as :func:`forced` ``("cublas")`` (the product by cuBLAS, the
+norm, the activation and RoPE + KV write as kernels of their own), replays both and keeps the faster
+(``graphs.GraphSet.capture``; the choice per captured size is in the capture report). A linear timed
+alone would mislead: timed eagerly, back to back, launch overhead and a cache-resident weight
+decided it, and chose ours where it is twice as slow; a whole step's replay streams every weight
+from memory as a served step does, and its kernels overlap as theirs do. On the H100 the split-K
+kernel won at 8 and 32 rows; on an H200 llama-1b's 32-row step ran 9% slower after it came in.
 """
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +37,9 @@ from . import norm
 
 MAX_ROWS = 64   # more rows take cuBLAS (with the norm and the activation as kernels of their own)
 SKINNY_ROWS = 32  # ``auto`` on CUDA: 2 to this many rows take the split-K kernel, more take cuBLAS
+TUNED = ("skinny", "cublas")  # what a captured step of 2-32 rows is timed with, the default first
+
+_forced: str | None = None  # :func:`forced`: what ``auto`` gives the split-K kernel's steps now
 
 
 def max_skinny_rows() -> int:
@@ -42,18 +54,45 @@ def choose(x: torch.Tensor) -> str:
     """Which kernel serves a linear of ``x``'s rows: ``"triton"`` (``linear.launch``), ``"skinny"``
     (``skinny_linear.launch``) or ``"cublas"`` (:func:`unfused`). One row always takes
     ``linear.launch`` (H100, ``sweep_linear.py --skinny``: 4.9-23.1 us against the split-K kernel's
-    6.4-25.0 on llama-1b's four matrices); 2 to :func:`max_skinny_rows` rows on CUDA the split-K one."""
+    6.4-25.0 on llama-1b's four matrices); 2 to :func:`max_skinny_rows` rows on CUDA the split-K one,
+    or within :func:`forced` what it says (on any device: the tests force either form on the CPU)."""
     rows = x.shape[0]
     if rows > MAX_ROWS:  # prefill: tiles of every row would not fit
         return "cublas"
     if rows == 1:   # the one-row kernel beats the split-K one at every layer shape measured
         return "triton"
     impl = env.linear_impl()
+    if impl == "auto" and _forced is not None and rows <= max_skinny_rows():
+        return _forced                      # a candidate being captured (:func:`forced`)
     if impl == "auto" and not x.is_cuda:   # the Triton interpreter: the kernel under test
         return "triton"
     if impl in ("auto", "skinny"):          # the one limit the layers fuse by, too
         return "skinny" if rows <= max_skinny_rows() else "cublas"
     return impl
+
+
+def tunable(rows: int, dtype: torch.dtype) -> bool:
+    """Whether a CUDA step of ``rows`` tokens in ``dtype`` is worth capturing both ways (:data:`TUNED`):
+    ``auto``, half precision (the kernel path: float32 steps take cuBLAS either way) and 2 to
+    :func:`max_skinny_rows` rows."""
+    return (env.linear_impl() == "auto" and dtype in (torch.bfloat16, torch.float16)
+            and 2 <= rows <= max_skinny_rows())
+
+
+@contextlib.contextmanager
+def forced(impl: str) -> Iterator[None]:
+    """Within it, ``auto``'s steps of 2-32 rows take ``impl`` (one of :data:`TUNED`) instead of the
+    split-K kernel: the layers still fuse around the call (the norm on load, the residual, RoPE +
+    the KV write), which the cuBLAS form then runs as launches of its own (:func:`unfused`). What
+    a graph captured within it runs ever after; the runner captures the candidates this way."""
+    global _forced
+    if impl not in TUNED:
+        raise ValueError(f"linear_choice.forced: expected one of {TUNED}, got {impl!r}")
+    previous, _forced = _forced, impl
+    try:
+        yield
+    finally:
+        _forced = previous
 
 
 def unfused(x, w, b, activation, limit, norm_weight, eps, residual) -> torch.Tensor:

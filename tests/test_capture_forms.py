@@ -1,0 +1,118 @@
+"""Linears of 2-32 rows measured at capture: ``linear_choice.forced`` (which form a step's linears
+take while a candidate is captured), ``graphs.pick`` (which timed form is kept) and, on the GPU, a
+runner that captures each such size both ways, keeps the one ``pick`` says and replays exactly
+what that form computes."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import fullgraph as fg
+import fullgraph.env
+from fullgraph import graphs
+from fullgraph.kernels import linear_choice
+from fullgraph.kernels.linear import NO_LIMIT
+from test_linear_kernel import ref_linear
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def test_pick_keeps_the_default_unless_another_is_clearly_faster():
+    assert graphs.pick([1.000, 0.995]) == 0          # within the margin: the default stays
+    assert graphs.pick([1.000, 1.200]) == 0
+    assert graphs.pick([1.000, 0.980]) == 1
+    assert graphs.pick([1.000, 0.985, 0.970]) == 2   # the shortest of those past the margin
+    assert graphs.pick([1.000, 0.5], margin=0.6) == 0
+    assert graphs.pick([2.0]) == 0
+
+
+@pytest.mark.parametrize("impl", linear_choice.TUNED)
+@pytest.mark.parametrize("epilogue", ["residual", "silu_and_mul"])
+def test_a_forced_form_serves_the_few_row_steps_and_computes_the_same(impl, epilogue, monkeypatch):
+    """Within ``forced``, ``auto`` gives 2-32 rows the named form, on any device (here: the split-K
+    kernel under the interpreter, or cuBLAS with the norm and the activation as kernels of their
+    own); one row keeps the one-row kernel and more than 32 rows what they take anyway; on leaving, the
+    default."""
+    monkeypatch.setattr(fullgraph.env, "linear_impl", lambda: "auto")
+    gen = torch.Generator(DEVICE).manual_seed(3)
+    m, n, k = 5, 24, 40
+    x, w = torch.randn(m, k, device=DEVICE, generator=gen), torch.randn(n, k, device=DEVICE, generator=gen)
+    g = 1 + 0.2 * torch.randn(k, device=DEVICE, generator=gen)
+    residual = torch.randn(m, n, device=DEVICE, generator=gen) if epilogue == "residual" else None
+    activation = "none" if residual is not None else epilogue
+    more = torch.randn(linear_choice.SKINNY_ROWS + 1, 8, device=DEVICE)
+    default, more_default = linear_choice.choose(x), linear_choice.choose(more)
+    with linear_choice.forced(impl):
+        assert linear_choice.choose(x) == linear_choice.choose(x[:2]) == impl
+        assert linear_choice.choose(x[:1]) == "triton"
+        assert linear_choice.choose(more) == more_default   # 33 rows and more: not the split-K kernel's
+        got = torch.ops.fullgraph.linear(x, w, None, activation, NO_LIMIT, g, 1e-6, residual)
+    assert linear_choice.choose(x) == default == ("skinny" if x.is_cuda else "triton")
+    torch.testing.assert_close(got.double(), ref_linear(x, w, None, activation, NO_LIMIT, g, 1e-6, residual),
+                               rtol=1e-5, atol=1e-4)
+
+
+def test_forced_nests_restores_on_error_and_refuses_other_forms(monkeypatch):
+    monkeypatch.setattr(fullgraph.env, "linear_impl", lambda: "auto")
+    x = torch.randn(4, 8, device=DEVICE)
+    with linear_choice.forced("cublas"):
+        with pytest.raises(RuntimeError, match="inner"):
+            with linear_choice.forced("skinny"):
+                assert linear_choice.choose(x) == "skinny"
+                raise RuntimeError("inner")
+        assert linear_choice.choose(x) == "cublas"
+    with pytest.raises(ValueError, match="triton"):
+        with linear_choice.forced("triton"):
+            pass
+    monkeypatch.setattr(fullgraph.env, "linear_impl", lambda: "cublas")   # a pinned setting wins
+    with linear_choice.forced("skinny"):
+        assert linear_choice.choose(x) == "cublas"
+
+
+def test_which_steps_are_captured_both_ways(monkeypatch):
+    monkeypatch.setattr(fullgraph.env, "linear_impl", lambda: "auto")
+    half = (torch.bfloat16, torch.float16)
+    assert [r for r in (1, 2, 16, 32, 33, 64) if linear_choice.tunable(r, torch.bfloat16)] == [2, 16, 32]
+    assert all(linear_choice.tunable(8, d) for d in half) and not linear_choice.tunable(8, torch.float32)
+    for pinned in ("skinny", "cublas", "triton"):
+        monkeypatch.setattr(fullgraph.env, "linear_impl", lambda pinned=pinned: pinned)
+        assert not linear_choice.tunable(8, torch.bfloat16), pinned
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs")
+@pytest.mark.parametrize("keep", linear_choice.TUNED)
+def test_the_kept_form_is_what_replays(keep, monkeypatch):
+    """A bf16 runner captures sizes 4 and 8 both ways and keeps ``keep`` (``pick`` made to say so):
+    its replays equal, bit for bit, the padded runner's steps run within ``forced(keep)``, and differ
+    from the other form's (so the comparison can tell them apart); one-row steps are captured once."""
+    monkeypatch.setattr(fullgraph.env, "linear_impl", lambda: "auto")
+    monkeypatch.setattr(graphs, "pick", lambda times, margin=0.0: linear_choice.TUNED.index(keep))
+    model = fg.models.Llama(fg.models.LlamaConfig.toy(), dtype=torch.bfloat16, device="cuda", seed=0)
+    limits = dict(max_num_seqs=8, max_num_tokens=8, max_model_len=128, block_size=16, capture_sizes=(1, 4, 8))
+    full = fg.FullGraphRunner(model, cudagraph="full", **limits)
+    padded = fg.FullGraphRunner(model, cudagraph="padded", **limits)
+    report = full.capture()
+    assert sorted((key, name) for key, name, _ in report.chosen) == [
+        ((4, False), keep), ((4, True), keep), ((8, False), keep), ((8, True), keep)]
+    assert all(len(times) == 2 and min(times) > 0 for _, _, times in report.chosen)
+    rng = np.random.default_rng(1)
+    other = next(f for f in linear_choice.TUNED if f != keep)
+    for rows in (3, 7, 1):
+        pages = [full.blocks.allocate(2) for _ in range(rows)]
+        assert [padded.blocks.allocate(2) for _ in range(rows)] == pages
+        chunks = [fg.SeqChunk(rng.integers(0, 500, 1).tolist(), 0, p) for p in pages]
+        got = full.step(chunks)
+        assert got.mode == "full"
+        with linear_choice.forced(keep):
+            want = padded.step(chunks)
+        torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=0)
+        if rows > 1:  # the same tokens on fresh pages, the other form
+            fresh = [full.blocks.allocate(2) for _ in range(rows)]
+            assert [padded.blocks.allocate(2) for _ in range(rows)] == fresh
+            with linear_choice.forced(other):
+                diff = padded.step([fg.SeqChunk(c.token_ids, 0, p) for c, p in zip(chunks, fresh)])
+            assert not torch.equal(diff.logits, got.logits), f"{keep} and {other} computed the same bits"
+            scale = got.logits.abs().max().clamp(min=1.0)
+            assert ((diff.logits - got.logits).abs().max() / scale).item() < 5e-2
