@@ -1,6 +1,7 @@
 """CUDA-graph capture and replay mechanics: one shared pool, largest first, address guard."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import time
@@ -74,6 +75,7 @@ class GraphSet:
         self._pool = None
         self._stream: torch.cuda.Stream | None = None  # the side stream every capture runs on
         self._addresses: dict[str, int] = {}
+        self.forms: dict[GraphKey, str] = {}  # the form each key captured with forms was kept in
 
     def __contains__(self, key: GraphKey) -> bool:
         return key in self.graphs
@@ -81,10 +83,12 @@ class GraphSet:
     def capture(self, keys: Sequence[GraphKey], prepare: Callable[[GraphKey], None],
                 run: Callable[[GraphKey], None], addresses: Callable[[], dict[str, int]],
                 warmups: int = 1, variants: Callable[[GraphKey], Variants] | None = None) -> CaptureReport:
-        """``variants(key)``: where it offers several forms of a key's step, each is captured (the
-        first as every other key, the rest after a warm-up run of their own), their replays timed
-        against each other and the fastest kept (:func:`pick`); the others' graphs are dropped, their
-        memory back in the pool for the smaller keys."""
+        """``variants(key)``: the forms a key's step may take; the first is captured (within its
+        context) as a key without forms is; where there are more, each other is captured after a
+        warm-up run of its own, their replays are timed against each other and the fastest is kept
+        (:func:`pick`), the others' graphs dropped, their memory back in the pool for the smaller
+        keys. ``self.forms`` names each key's form, as soon as it is known (keys come largest first,
+        a size's decode-only key before its mixed one)."""
         keys = sorted(keys, reverse=True)  # largest first: smaller graphs reuse its pool blocks
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()  # once, so the reserved-memory difference below is the graphs'
@@ -97,22 +101,26 @@ class GraphSet:
         try:
             compiled = compile_ahead.compile_runs((lambda k=k: (prepare(k), run(k))) for k in keys)
             for i, key in enumerate(keys):
-                t0 = time.perf_counter()
-                prepare(key)
-                for _ in range(warmups + (i == 0)):
-                    run(key)
-                torch.cuda.synchronize(self.device)
-                t1 = time.perf_counter()
-                self.graphs[key], recording = self._record(run, key)
+                forms = variants(key) if variants is not None else ()
+                with forms[0][1]() if forms else contextlib.nullcontext():
+                    t0 = time.perf_counter()
+                    prepare(key)
+                    for _ in range(warmups + (i == 0)):
+                        run(key)
+                    torch.cuda.synchronize(self.device)
+                    t1 = time.perf_counter()
+                    self.graphs[key], recording = self._record(run, key)
                 phases[0] += t1 - t0
                 phases[1] += recording
                 phases[2] += time.perf_counter() - t1 - recording
-                forms = variants(key) if variants is not None else ()
                 if len(forms) > 1:
                     t2 = time.perf_counter()
                     name, times = self._choose(key, forms, run, warmups)
+                    self.forms[key] = name
                     chosen.append((key, name, times))
                     choosing += time.perf_counter() - t2
+                elif forms:
+                    self.forms[key] = forms[0][0]
                 if (i + 1) % 16 == 0 or i + 1 == len(keys):
                     logger.info("capture: %d/%d graphs (%.1f s)", i + 1, len(keys), time.perf_counter() - start)
         finally:

@@ -352,10 +352,14 @@ class FullGraphRunner:
         def run(key: GraphKey) -> None:
             self._run_static(key, cfg.padded_num_reqs(key[0]))
 
-        def variants(key: GraphKey) -> list[tuple[str, Callable]]:  # the linears of 2-32 rows: measured
+        def variants(key: GraphKey) -> list[tuple[str, Callable]]:
+            """The linears of 2-32 rows: both forms timed in the decode-only graph of a size; its
+            mixed graph (the same linears, the same rows) takes the form kept there."""
             if not linear_choice.tunable(key[0], self.dtype):
                 return []
-            return [(impl, lambda impl=impl: linear_choice.forced(impl)) for impl in linear_choice.TUNED]
+            decided = self._graphs.forms.get((key[0], True)) if not key[1] else None
+            impls = (decided,) if decided else linear_choice.TUNED
+            return [(impl, lambda impl=impl: linear_choice.forced(impl)) for impl in impls]
 
         logger.info("fullgraph: capturing %d CUDA graphs ...", len(self.graph_keys()))
         self._capture_report = self._graphs.capture(self.graph_keys(), prepare, run, self._addresses,
@@ -390,8 +394,9 @@ class FullGraphRunner:
                 "graphs": report.num_graphs if report else 0,
                 "capture_seconds": report.seconds if report else 0.0,
                 "graph_bytes": report.graph_bytes if report else 0,
-                # keys captured in several forms (linears of 2-32 rows): the form kept, each form's replay ms
-                "forms": {key: (name, times) for key, name, times in report.chosen} if report else {},
+                # keys captured in a form (linears of 2-32 rows): the one kept; where forms were timed, their ms
+                "forms": dict(self._graphs.forms) if self._graphs is not None else {},
+                "form_ms": {key: times for key, _, times in report.chosen} if report else {},
                 "compiled_graphs": self._compiled.stats.graphs if self._compiled else 0,
                 "compile_seconds": self._compiled.stats.seconds if self._compiled else 0.0,
                 "recompiles_after_warmup": self._compiled.stats.recompiles_after_warmup if self._compiled else 0}

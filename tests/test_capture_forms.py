@@ -84,9 +84,10 @@ def test_which_steps_are_captured_both_ways(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs")
 @pytest.mark.parametrize("keep", linear_choice.TUNED)
 def test_the_kept_form_is_what_replays(keep, monkeypatch):
-    """A bf16 runner captures sizes 4 and 8 both ways and keeps ``keep`` (``pick`` made to say so):
-    its replays equal, bit for bit, the padded runner's steps run within ``forced(keep)``, and differ
-    from the other form's (so the comparison can tell them apart); one-row steps are captured once."""
+    """A bf16 runner captures the decode-only graphs of sizes 4 and 8 both ways and keeps ``keep``
+    (``pick`` made to say so), the mixed graphs of those sizes in that form: its replays (decode
+    steps, and prompts of a few tokens) equal, bit for bit, the padded runner's steps run within
+    ``forced(keep)``, and differ from the other form's (so the comparison can tell them apart)."""
     monkeypatch.setattr(fullgraph.env, "linear_impl", lambda: "auto")
     monkeypatch.setattr(graphs, "pick", lambda times, margin=0.0: linear_choice.TUNED.index(keep))
     model = fg.models.Llama(fg.models.LlamaConfig.toy(), dtype=torch.bfloat16, device="cuda", seed=0)
@@ -94,21 +95,23 @@ def test_the_kept_form_is_what_replays(keep, monkeypatch):
     full = fg.FullGraphRunner(model, cudagraph="full", **limits)
     padded = fg.FullGraphRunner(model, cudagraph="padded", **limits)
     report = full.capture()
-    assert sorted((key, name) for key, name, _ in report.chosen) == [
-        ((4, False), keep), ((4, True), keep), ((8, False), keep), ((8, True), keep)]
+    # timed in the decode-only graphs; the mixed graph of a size takes that form; one row has none
+    assert sorted((key, name) for key, name, _ in report.chosen) == [((4, True), keep), ((8, True), keep)]
     assert all(len(times) == 2 and min(times) > 0 for _, _, times in report.chosen)
+    assert full.stats()["forms"] == {(8, True): keep, (8, False): keep, (4, True): keep, (4, False): keep}
     rng = np.random.default_rng(1)
     other = next(f for f in linear_choice.TUNED if f != keep)
-    for rows in (3, 7, 1):
+    for lengths in ((1, 1, 1), (1,) * 7, (1,), (3, 2)):   # decode steps of 3, 7 and 1 rows; a 5-token mixed step
+        rows = len(lengths)
         pages = [full.blocks.allocate(2) for _ in range(rows)]
         assert [padded.blocks.allocate(2) for _ in range(rows)] == pages
-        chunks = [fg.SeqChunk(rng.integers(0, 500, 1).tolist(), 0, p) for p in pages]
+        chunks = [fg.SeqChunk(rng.integers(0, 500, n).tolist(), 0, p) for n, p in zip(lengths, pages)]
         got = full.step(chunks)
         assert got.mode == "full"
         with linear_choice.forced(keep):
             want = padded.step(chunks)
         torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=0)
-        if rows > 1:  # the same tokens on fresh pages, the other form
+        if sum(lengths) > 1:  # the same tokens on fresh pages, the other form
             fresh = [full.blocks.allocate(2) for _ in range(rows)]
             assert [padded.blocks.allocate(2) for _ in range(rows)] == fresh
             with linear_choice.forced(other):

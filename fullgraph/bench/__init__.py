@@ -203,8 +203,8 @@ def _decode_rows(args, model, device, w_bytes, bandwidth, context, batch, mode) 
              "p90_ms": np.percentile(t, 90) * 1e3, "floor_ms": floor, "weight_bytes": w_bytes,
              "kv_bytes": kv_read, "kv_MB": kv_read / 1e6, "kv_dense_MB": kv_dense / 1e6, "copy_TBps": bandwidth / 1e12, "compile_s": stats["compile_seconds"],
              "capture_s": stats["capture_seconds"], "replay_ms": replay, "replay1_ms": replay1,
-             "launch_ms": launch, "linear_form": stats["forms"].get((batch, True), ("-",))[0],
-             "form_ms": list(stats["forms"].get((batch, True), ("-", ()))[1])} for loop, t in timed.items()]
+             "launch_ms": launch, "linear_form": stats["forms"].get((batch, True), "-"),
+             "form_ms": list(stats["form_ms"].get((batch, True), ()))} for loop, t in timed.items()]
     del runner
     gc.collect()
     if device.type == "cuda":
