@@ -383,7 +383,7 @@ stage-ab)  # the stage-in's event recorded in line (the default) or on a branch 
         tests/test_stage_in.py tests/test_device_token_ids.py tests/test_runner.py
     for i in 1 2; do
         for ev in inline branch; do
-            for preset in llama-1b smollm2-135m; do
+            for preset in ${STAGE_PRESETS:-llama-1b smollm2-135m}; do  # STAGE_PRESETS="...": fewer
                 FULLGRAPH_STAGE_EVENT=$ev run "stageab_${preset}_${ev}_$i" 90 python3 -m fullgraph.bench decode \
                     --preset $preset --batch 1 32 --context 1024 --modes full --steps 40 --loop sync overlap \
                     --out "$OUT/stageab_${preset}_${ev}_$i.json"
