@@ -391,11 +391,12 @@ stage-ab)  # the stage-in's event recorded in line (the default) or on a branch 
         done
     done
     ;;
-forms)  # the linears of 2-32 rows timed at capture (auto: each size captured with the split-K kernel and with
-    # cuBLAS, the faster kept) against either form pinned, llama-1b and SmolLM2 at 8 and 32 rows, each its process
+forms)  # the linears of 2-32 rows timed at capture (FULLGRAPH_LINEAR=timed: each size captured with the split-K
+    # kernel and with cuBLAS, the faster kept) against either form pinned (auto is the split-K one), llama-1b and
+    # SmolLM2 at 8 and 32 rows, each its process
     run forms_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_capture_forms.py
-    for impl in auto skinny cublas; do
-        for preset in llama-1b smollm2-135m; do
+    for impl in timed auto cublas; do
+        for preset in ${FORMS_PRESETS:-llama-1b smollm2-135m}; do  # FORMS_PRESETS="...": fewer
             FULLGRAPH_LINEAR=$impl run "forms_${preset}_$impl" 90 python3 -m fullgraph.bench decode --preset $preset \
                 --batch 8 32 --context 1024 --modes full --steps 30 --loop sync overlap --out "$OUT/forms_${preset}_$impl.json"
         done

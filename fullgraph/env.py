@@ -27,9 +27,10 @@ variable                          effect                                        
 ``FULLGRAPH_LINEAR=IMPL``         linears of 2-64 rows: ``auto`` (the default: on CUDA      once
                                   the split-K weight-streaming kernel for 2-32 rows,
                                   the decoder layer's norm, residual and RoPE + KV
-                                  write fused into it, each such captured size also
+                                  write fused into it; cuBLAS for 33-64), ``timed``
+                                  (``auto``, each captured size of 2-32 rows also
                                   captured with cuBLAS and the faster graph kept;
-                                  cuBLAS for 33-64), ``skinny``
+                                  opt-in until a GPU run has checked it), ``skinny``
                                   (split-K for 2-64), ``cublas`` (2-64, the layer
                                   unfused) or ``triton`` (our tl.dot kernel)
 ``FULLGRAPH_FUSE=A,B``            decoder-layer fusions, default ``layer,rope``             once
@@ -114,8 +115,8 @@ def compile_workers() -> int | None:
 def linear_impl() -> str:
     """``FULLGRAPH_LINEAR``: which kernel serves linears of a few rows (read once)."""
     value = os.environ.get(LINEAR, "auto")
-    if value not in ("auto", "triton", "skinny", "cublas"):
-        raise ValueError(f"{LINEAR}={value!r}: expected auto, triton, skinny or cublas")
+    if value not in ("auto", "timed", "triton", "skinny", "cublas"):
+        raise ValueError(f"{LINEAR}={value!r}: expected auto, timed, triton, skinny or cublas")
     return value
 
 

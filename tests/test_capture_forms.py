@@ -1,7 +1,7 @@
-"""Linears of 2-32 rows measured at capture: ``linear_choice.forced`` (which form a step's linears
-take while a candidate is captured), ``graphs.pick`` (which timed form is kept) and, on the GPU, a
-runner that captures each such size both ways, keeps the one ``pick`` says and replays exactly
-what that form computes."""
+"""Linears of 2-32 rows measured at capture (``FULLGRAPH_LINEAR=timed``): ``linear_choice.forced``
+(which form a step's linears take while a candidate is captured), ``graphs.pick`` (which timed form
+is kept) and, on the GPU, a runner that captures each such size both ways, keeps the one ``pick``
+says and replays exactly what that form computes."""
 from __future__ import annotations
 
 import numpy as np
@@ -27,14 +27,15 @@ def test_pick_keeps_the_default_unless_another_is_clearly_faster():
     assert graphs.pick([2.0]) == 0
 
 
+@pytest.mark.parametrize("setting", linear_choice.AUTO)
 @pytest.mark.parametrize("impl", linear_choice.TUNED)
 @pytest.mark.parametrize("epilogue", ["residual", "silu_and_mul"])
-def test_a_forced_form_serves_the_few_row_steps_and_computes_the_same(impl, epilogue, monkeypatch):
-    """Within ``forced``, ``auto`` gives 2-32 rows the named form, on any device (here: the split-K
-    kernel under the interpreter, or cuBLAS with the norm and the activation as kernels of their
-    own); one row keeps the one-row kernel and more than 32 rows what they take anyway; on leaving, the
-    default."""
-    monkeypatch.setattr(fullgraph.env, "linear_impl", lambda: "auto")
+def test_a_forced_form_serves_the_few_row_steps_and_computes_the_same(impl, epilogue, setting, monkeypatch):
+    """Within ``forced``, ``auto`` (and ``timed``) gives 2-32 rows the named form, on any device
+    (here: the split-K kernel under the interpreter, or cuBLAS with the norm and the activation as
+    kernels of their own); one row keeps the one-row kernel and more than 32 rows what they take
+    anyway; on leaving, the default."""
+    monkeypatch.setattr(fullgraph.env, "linear_impl", lambda: setting)
     gen = torch.Generator(DEVICE).manual_seed(3)
     m, n, k = 5, 24, 40
     x, w = torch.randn(m, k, device=DEVICE, generator=gen), torch.randn(n, k, device=DEVICE, generator=gen)
@@ -71,11 +72,11 @@ def test_forced_nests_restores_on_error_and_refuses_other_forms(monkeypatch):
 
 
 def test_which_steps_are_captured_both_ways(monkeypatch):
-    monkeypatch.setattr(fullgraph.env, "linear_impl", lambda: "auto")
+    monkeypatch.setattr(fullgraph.env, "linear_impl", lambda: "timed")
     half = (torch.bfloat16, torch.float16)
     assert [r for r in (1, 2, 16, 32, 33, 64) if linear_choice.tunable(r, torch.bfloat16)] == [2, 16, 32]
     assert all(linear_choice.tunable(8, d) for d in half) and not linear_choice.tunable(8, torch.float32)
-    for pinned in ("skinny", "cublas", "triton"):
+    for pinned in ("auto", "skinny", "cublas", "triton"):
         monkeypatch.setattr(fullgraph.env, "linear_impl", lambda pinned=pinned: pinned)
         assert not linear_choice.tunable(8, torch.bfloat16), pinned
 
@@ -88,7 +89,7 @@ def test_the_kept_form_is_what_replays(keep, monkeypatch):
     (``pick`` made to say so), the mixed graphs of those sizes in that form: its replays (decode
     steps, and prompts of a few tokens) equal, bit for bit, the padded runner's steps run within
     ``forced(keep)``, and differ from the other form's (so the comparison can tell them apart)."""
-    monkeypatch.setattr(fullgraph.env, "linear_impl", lambda: "auto")
+    monkeypatch.setattr(fullgraph.env, "linear_impl", lambda: "timed")
     monkeypatch.setattr(graphs, "pick", lambda times, margin=0.0: linear_choice.TUNED.index(keep))
     model = fg.models.Llama(fg.models.LlamaConfig.toy(), dtype=torch.bfloat16, device="cuda", seed=0)
     limits = dict(max_num_seqs=8, max_num_tokens=8, max_model_len=128, block_size=16, capture_sizes=(1, 4, 8))

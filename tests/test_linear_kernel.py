@@ -141,7 +141,8 @@ def test_the_choice_follows_the_environment_and_sends_prefill_to_cublas(monkeypa
     for impl, want_few, want_many, fuse_rows in (
             ("triton", "triton", "triton", 1), ("skinny", "skinny", "skinny", linear_choice.MAX_ROWS),
             ("cublas", "cublas", "cublas", 1),
-            ("auto", "skinny" if x.is_cuda else "triton", "cublas" if x.is_cuda else "triton", linear_choice.SKINNY_ROWS)):
+            ("auto", "skinny" if x.is_cuda else "triton", "cublas" if x.is_cuda else "triton", linear_choice.SKINNY_ROWS),
+            ("timed", "skinny" if x.is_cuda else "triton", "cublas" if x.is_cuda else "triton", linear_choice.SKINNY_ROWS)):
         monkeypatch.setattr(fullgraph.env, "linear_impl", lambda impl=impl: impl)
         assert (linear_choice.choose(x[:2]), linear_choice.choose(x[:few])) == (want_few, want_few), impl
         assert linear_choice.choose(x[:many]) == linear_choice.choose(x) == want_many, impl

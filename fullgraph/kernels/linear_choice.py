@@ -14,10 +14,11 @@ take cuBLAS, as every longer step does. ``FULLGRAPH_LINEAR`` (``fullgraph.env``)
 ``tl.dot`` path (about twice cuBLAS's time at 32 rows: benchmarks and tests).
 Under the Triton interpreter (no CUDA) ``auto`` takes ours: the kernel under test.
 
-Measured, not assumed: where the split-K kernel serves a step (``auto``, 2-32 rows), the runner
-captures that step's graph twice, once as :func:`forced` ``("cublas")`` (the product by cuBLAS, the
-norm, the activation and RoPE + KV write as kernels of their own), replays both and keeps the faster
-(``graphs.GraphSet.capture``; the choice per captured size is in the capture report). A linear timed
+Measured, not assumed (``FULLGRAPH_LINEAR=timed``, opt-in until a GPU run has checked it): where
+the split-K kernel serves a step (2-32 rows), the runner captures that step's graph twice, once as
+:func:`forced` ``("cublas")`` (the product by cuBLAS, the norm, the activation and RoPE + KV write
+as kernels of their own), replays both and keeps the faster (``graphs.GraphSet.capture``; the
+choice per captured size is in the capture report); otherwise ``timed`` is ``auto``. A linear timed
 alone would mislead: timed eagerly, back to back, launch overhead and a cache-resident weight
 decided it, and chose ours where it is twice as slow; a whole step's replay streams every weight
 from memory as a served step does, and its kernels overlap as theirs do. On the H100 the split-K
@@ -38,6 +39,7 @@ from . import norm
 MAX_ROWS = 64   # more rows take cuBLAS (with the norm and the activation as kernels of their own)
 SKINNY_ROWS = 32  # ``auto`` on CUDA: 2 to this many rows take the split-K kernel, more take cuBLAS
 TUNED = ("skinny", "cublas")  # what a captured step of 2-32 rows is timed with, the default first
+AUTO = ("auto", "timed")      # the settings under which 2-32 rows take the split-K kernel unless forced
 
 _forced: str | None = None  # :func:`forced`: what ``auto`` gives the split-K kernel's steps now
 
@@ -45,9 +47,9 @@ _forced: str | None = None  # :func:`forced`: what ``auto`` gives the split-K ke
 def max_skinny_rows() -> int:
     """The most rows that take the split-K kernel on CUDA (and fuse the layer around it), as
     ``FULLGRAPH_LINEAR`` says: ``auto`` :data:`SKINNY_ROWS`, ``skinny`` :data:`MAX_ROWS`, else 1
-    (none: one row takes the one-row kernel)."""
+    (none: one row takes the one-row kernel); ``timed`` as ``auto``."""
     impl = env.linear_impl()
-    return SKINNY_ROWS if impl == "auto" else MAX_ROWS if impl == "skinny" else 1
+    return SKINNY_ROWS if impl in AUTO else MAX_ROWS if impl == "skinny" else 1
 
 
 def choose(x: torch.Tensor) -> str:
@@ -62,26 +64,26 @@ def choose(x: torch.Tensor) -> str:
     if rows == 1:   # the one-row kernel beats the split-K one at every layer shape measured
         return "triton"
     impl = env.linear_impl()
-    if impl == "auto" and _forced is not None and rows <= max_skinny_rows():
+    if impl in AUTO and _forced is not None and rows <= max_skinny_rows():
         return _forced                      # a candidate being captured (:func:`forced`)
-    if impl == "auto" and not x.is_cuda:   # the Triton interpreter: the kernel under test
+    if impl in AUTO and not x.is_cuda:     # the Triton interpreter: the kernel under test
         return "triton"
-    if impl in ("auto", "skinny"):          # the one limit the layers fuse by, too
+    if impl in AUTO or impl == "skinny":   # the one limit the layers fuse by, too
         return "skinny" if rows <= max_skinny_rows() else "cublas"
     return impl
 
 
 def tunable(rows: int, dtype: torch.dtype) -> bool:
-    """Whether a CUDA step of ``rows`` tokens in ``dtype`` is worth capturing both ways (:data:`TUNED`):
-    ``auto``, half precision (the kernel path: float32 steps take cuBLAS either way) and 2 to
-    :func:`max_skinny_rows` rows."""
-    return (env.linear_impl() == "auto" and dtype in (torch.bfloat16, torch.float16)
+    """Whether a CUDA step of ``rows`` tokens in ``dtype`` is captured both ways (:data:`TUNED`):
+    ``FULLGRAPH_LINEAR=timed``, half precision (the kernel path: float32 steps take cuBLAS either
+    way) and 2 to :func:`max_skinny_rows` rows."""
+    return (env.linear_impl() == "timed" and dtype in (torch.bfloat16, torch.float16)
             and 2 <= rows <= max_skinny_rows())
 
 
 @contextlib.contextmanager
 def forced(impl: str) -> Iterator[None]:
-    """Within it, ``auto``'s steps of 2-32 rows take ``impl`` (one of :data:`TUNED`) instead of the
+    """Within it, ``auto``'s (and ``timed``'s) steps of 2-32 rows take ``impl`` (one of :data:`TUNED`) instead of the
     split-K kernel: the layers still fuse around the call (the norm on load, the residual, RoPE +
     the KV write), which the cuBLAS form then runs as launches of its own (:func:`unfused`). What
     a graph captured within it runs ever after; the runner captures the candidates this way."""
