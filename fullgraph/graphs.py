@@ -33,7 +33,7 @@ class CaptureReport:
     compile_seconds: float = 0.0      # compiling every key's Triton kernels ahead, in parallel (kernels.compile_ahead)
     chosen: tuple[tuple[GraphKey, str, tuple[float, ...]], ...] = ()  # keys captured in several forms: the
     #                                   form kept and every form's replay ms, in the order they were offered
-    choose_seconds: float = 0.0       # capturing and timing the forms that were not kept
+    choose_seconds: float = 0.0       # capturing the other forms of those keys and timing them all
 
     def __str__(self) -> str:
         text = (f"captured {self.num_graphs} graphs in {self.seconds:.2f} s (Triton kernels compiled ahead "

@@ -83,10 +83,11 @@ def tunable(rows: int, dtype: torch.dtype) -> bool:
 
 @contextlib.contextmanager
 def forced(impl: str) -> Iterator[None]:
-    """Within it, ``auto``'s (and ``timed``'s) steps of 2-32 rows take ``impl`` (one of :data:`TUNED`) instead of the
-    split-K kernel: the layers still fuse around the call (the norm on load, the residual, RoPE +
-    the KV write), which the cuBLAS form then runs as launches of its own (:func:`unfused`). What
-    a graph captured within it runs ever after; the runner captures the candidates this way."""
+    """Within it, ``auto``'s (and ``timed``'s) steps of 2-32 rows take ``impl`` (one of
+    :data:`TUNED`) instead of the split-K kernel: the layers still fuse around the call (the norm on
+    load, the residual, RoPE + the KV write), which the cuBLAS form then runs as launches of its own
+    (:func:`unfused`). A graph captured within it runs that form ever after; the runner captures
+    the candidates this way."""
     global _forced
     if impl not in TUNED:
         raise ValueError(f"linear_choice.forced: expected one of {TUNED}, got {impl!r}")
