@@ -394,7 +394,7 @@ stage-ab)  # the stage-in's event recorded in line (the default) or on a branch 
 forms)  # the linears of 2-32 rows timed at capture (FULLGRAPH_LINEAR=timed: each size captured with the split-K
     # kernel and with cuBLAS, the faster kept) against either form pinned (auto is the split-K one), llama-1b and
     # SmolLM2 at 8 and 32 rows, each its process
-    run forms_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_capture_forms.py
+    run forms_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_capture_forms.py  # unfiltered: the forced forms on the GPU too
     for impl in timed auto cublas; do
         for preset in ${FORMS_PRESETS:-llama-1b smollm2-135m}; do  # FORMS_PRESETS="...": fewer
             FULLGRAPH_LINEAR=$impl run "forms_${preset}_$impl" 90 python3 -m fullgraph.bench decode --preset $preset \
