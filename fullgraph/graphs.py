@@ -135,17 +135,24 @@ class GraphSet:
     def _choose(self, key: GraphKey, forms: Variants, run: Callable[[GraphKey], None],
                 warmups: int) -> tuple[str, tuple[float, ...]]:
         """Capture ``key`` in each of ``forms`` after the first (already in ``self.graphs``), time
-        them all, keep the fastest graph; returns its name and every form's replay ms."""
-        graphs = [self.graphs[key]]
-        for _, context in forms[1:]:
-            with context():
-                for _ in range(warmups):
-                    run(key)
-                torch.cuda.synchronize(self.device)
-                graphs.append(self._record(run, key)[0])
-        times = self._replay_ms(graphs)
+        them all, keep the fastest graph; returns its name and every form's replay ms. A form that
+        cannot run or be captured is logged and left out (its time ``inf``): the first one stands."""
+        graphs, names = [self.graphs[key]], [forms[0][0]]
+        for name, context in forms[1:]:
+            try:
+                with context():
+                    for _ in range(warmups):
+                        run(key)
+                    torch.cuda.synchronize(self.device)
+                    graphs.append(self._record(run, key)[0])
+                    names.append(name)
+            except Exception as err:  # noqa: BLE001 (an alternative's failure leaves the default, named)
+                logger.warning("fullgraph: the %r form of graph %s could not be captured (%s: %s); keeping %r",
+                               name, key, type(err).__name__, err, forms[0][0])
+        measured = dict(zip(names, self._replay_ms(graphs)))
+        times = [measured.get(name, float("inf")) for name, _ in forms]
         best = pick(times)
-        self.graphs[key] = graphs[best]
+        self.graphs[key] = graphs[names.index(forms[best][0])]
         del graphs
         return forms[best][0], tuple(times)
 

@@ -4,6 +4,8 @@ is kept) and, on the GPU, a runner that captures each such size both ways, keeps
 says and replays exactly what that form computes."""
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -25,6 +27,37 @@ def test_pick_keeps_the_default_unless_another_is_clearly_faster():
     assert graphs.pick([1.000, 0.985, 0.970]) == 2   # the shortest of those past the margin
     assert graphs.pick([1.000, 0.5], margin=0.6) == 0
     assert graphs.pick([2.0]) == 0
+
+
+@pytest.mark.parametrize("second, want", [(0.5, "b"), (0.999, "a"), (None, "a")])
+def test_choose_keeps_the_form_pick_says_and_survives_a_form_that_fails(second, want, monkeypatch):
+    """``GraphSet._choose`` with the CUDA parts stood in for: each later form is run and recorded
+    within its own context, the graph kept is the picked form's, and a form whose capture raises is
+    logged and left out (time ``inf``), the first one standing."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    graph_set, entered, runs = graphs.GraphSet(torch.device("cpu")), [], []
+
+    def form(name):
+        def context():
+            @contextlib.contextmanager
+            def inside():
+                entered.append(name)
+                if second is None and name == "b":
+                    raise RuntimeError("no cuBLAS here")
+                yield
+            return inside()
+        return name, context
+
+    def record(run, key):
+        run(key)
+        return f"graph of {entered[-1]}", 0.0
+    monkeypatch.setattr(graph_set, "_record", record)
+    monkeypatch.setattr(graph_set, "_replay_ms", lambda gs: [{"graph of a": 1.0, "graph of b": second}[g] for g in gs])
+    graph_set.graphs[(8, True)] = "graph of a"
+    name, times = graph_set._choose((8, True), [form("a"), form("b")], runs.append, warmups=2)
+    assert (name, graph_set.graphs[(8, True)]) == (want, f"graph of {want}")
+    assert times == (1.0, float("inf") if second is None else second)
+    assert entered == ["b"] and runs == ([] if second is None else [(8, True)] * 3)  # two warm-ups, a recording
 
 
 @pytest.mark.parametrize("setting", linear_choice.AUTO)
