@@ -1,9 +1,10 @@
 """FullGraphRunner: plan -> static buffers -> eager / padded / CUDA-graph step."""
 from __future__ import annotations
 
+import functools
 import logging
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -352,18 +353,9 @@ class FullGraphRunner:
         def run(key: GraphKey) -> None:
             self._run_static(key, cfg.padded_num_reqs(key[0]))
 
-        def variants(key: GraphKey) -> list[tuple[str, Callable]]:
-            """The linears of 2-32 rows: both forms timed in the decode-only graph of a size; its
-            mixed graph (the same linears, the same rows) takes the form kept there."""
-            if not linear_choice.tunable(key[0], self.dtype):
-                return []
-            decided = self._graphs.forms.get((key[0], True)) if not key[1] else None
-            impls = (decided,) if decided else linear_choice.TUNED
-            return [(impl, lambda impl=impl: linear_choice.forced(impl)) for impl in impls]
-
+        forms = functools.partial(linear_choice.capture_forms, dtype=self.dtype, kept=self._graphs.forms)
         logger.info("fullgraph: capturing %d CUDA graphs ...", len(self.graph_keys()))
-        self._capture_report = self._graphs.capture(self.graph_keys(), prepare, run, self._addresses,
-                                                    variants=variants)
+        self._capture_report = self._graphs.capture(self.graph_keys(), prepare, run, self._addresses, variants=forms)
         logger.info("fullgraph: %s", self._capture_report)
         self._finish_warmup()
         return self._capture_report
@@ -383,8 +375,7 @@ class FullGraphRunner:
             s["graph_hits"][plan.key] += 1
 
     def stats(self) -> dict:
-        """Steps, graph hits per key, eager fallbacks with reasons, padding waste, capture cost, the
-        forms kept where a key was captured in several."""
+        """Steps, graph hits per key, eager fallbacks with reasons, padding waste, capture cost, forms."""
         s = self._stats
         total = s["tokens"] + s["padded_tokens"]
         report = self._capture_report
@@ -394,8 +385,7 @@ class FullGraphRunner:
                 "graphs": report.num_graphs if report else 0,
                 "capture_seconds": report.seconds if report else 0.0,
                 "graph_bytes": report.graph_bytes if report else 0,
-                # keys captured in a form (linears of 2-32 rows): the one kept; where forms were timed, their ms
-                "forms": dict(self._graphs.forms) if self._graphs is not None else {},
+                "forms": dict(self._graphs.forms) if self._graphs is not None else {},  # kept, where timed: ms
                 "form_ms": {key: times for key, _, times in report.chosen} if report else {},
                 "compiled_graphs": self._compiled.stats.graphs if self._compiled else 0,
                 "compile_seconds": self._compiled.stats.seconds if self._compiled else 0.0,

@@ -109,9 +109,20 @@ def test_which_steps_are_captured_both_ways(monkeypatch):
     half = (torch.bfloat16, torch.float16)
     assert [r for r in (1, 2, 16, 32, 33, 64) if linear_choice.tunable(r, torch.bfloat16)] == [2, 16, 32]
     assert all(linear_choice.tunable(8, d) for d in half) and not linear_choice.tunable(8, torch.float32)
+    def names(key, kept, dtype=torch.bfloat16):
+        return [name for name, _ in linear_choice.capture_forms(key, dtype, kept)]
+
+    assert names((8, True), {(8, True): "cublas"}) == list(linear_choice.TUNED)   # a decode graph: timed
+    assert names((8, False), {(8, True): "cublas"}) == ["cublas"]                 # its mixed graph: that form
+    assert names((8, False), {}) == list(linear_choice.TUNED)                     # no decode graph of its size
+    assert names((1, True), {}) == names((64, True), {}) == names((8, True), {}, torch.float32) == []
+    with linear_choice.capture_forms((8, True), torch.bfloat16, {})[1][1]():
+        assert linear_choice._forced == "cublas"
+    assert linear_choice._forced is None
     for pinned in ("auto", "skinny", "cublas", "triton"):
         monkeypatch.setattr(fullgraph.env, "linear_impl", lambda pinned=pinned: pinned)
         assert not linear_choice.tunable(8, torch.bfloat16), pinned
+        assert linear_choice.capture_forms((8, True), torch.bfloat16, {}) == []
 
 
 @pytest.mark.gpu

@@ -27,7 +27,8 @@ kernel won at 8 and 32 rows; on an H200 llama-1b's 32-row step ran 9% slower aft
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -79,6 +80,18 @@ def tunable(rows: int, dtype: torch.dtype) -> bool:
     way) and 2 to :func:`max_skinny_rows` rows."""
     return (env.linear_impl() == "timed" and dtype in (torch.bfloat16, torch.float16)
             and 2 <= rows <= max_skinny_rows())
+
+
+def capture_forms(key: tuple[int, bool], dtype: torch.dtype, kept: dict) -> list[tuple[str, Callable]]:
+    """The forms (name, context) a captured step's graph ``key`` (tokens, decode-only) in ``dtype`` is
+    recorded in (``GraphSet.capture``'s variants): none unless :func:`tunable`; for a decode-only
+    graph both (:data:`TUNED`), to be timed; for a mixed one the form ``kept`` (``GraphSet.forms``)
+    for its size's decode-only graph alone (the same linears over the same rows), or both if none."""
+    rows, decode = key
+    if not tunable(rows, dtype):
+        return []
+    decided = None if decode else kept.get((rows, True))
+    return [(impl, functools.partial(forced, impl)) for impl in ((decided,) if decided else TUNED)]
 
 
 @contextlib.contextmanager
