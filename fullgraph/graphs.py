@@ -152,8 +152,7 @@ class GraphSet:
         measured = dict(zip(names, self._replay_ms(graphs)))
         times = [measured.get(name, float("inf")) for name, _ in forms]
         best = pick(times)
-        self.graphs[key] = graphs[names.index(forms[best][0])]
-        del graphs
+        self.graphs[key] = graphs[names.index(forms[best][0])]  # the others are freed on return
         return forms[best][0], tuple(times)
 
     def _replay_ms(self, graphs: Sequence[torch.cuda.CUDAGraph], rounds: int = 5, replays: int = 8) -> list[float]:

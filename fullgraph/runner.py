@@ -385,8 +385,8 @@ class FullGraphRunner:
                 "graphs": report.num_graphs if report else 0,
                 "capture_seconds": report.seconds if report else 0.0,
                 "graph_bytes": report.graph_bytes if report else 0,
-                "forms": dict(self._graphs.forms) if self._graphs is not None else {},  # kept, where timed: ms
-                "form_ms": {key: times for key, _, times in report.chosen} if report else {},
+                "forms": dict(self._graphs.forms) if self._graphs is not None else {},  # linear form per key
+                "form_ms": {key: times for key, _, times in report.chosen} if report else {},  # where timed
                 "compiled_graphs": self._compiled.stats.graphs if self._compiled else 0,
                 "compile_seconds": self._compiled.stats.seconds if self._compiled else 0.0,
                 "recompiles_after_warmup": self._compiled.stats.recompiles_after_warmup if self._compiled else 0}
