@@ -26,7 +26,7 @@
 #   head32-ab (the LM head's GEMM writing float32 logits, FULLGRAPH_FUSE=...,head32, against the default)
 #   loop-ab (decode loops and the overlapped loop's timeline of .base/, MORE_TREES and this tree)
 #   host-ab (the host stages of .base/ and this tree, alternating)
-#   stage-ab (the stage-in's event in line against on a branch, FULLGRAPH_STAGE_EVENT=branch: tests, decode rows)
+#   stage-ab (the stage-in's event on a branch against in line, FULLGRAPH_STAGE_EVENT=inline: tests, decode rows)
 #   forms (linears of 2-32 rows timed at capture, split-K or cuBLAS kept, against each pinned: tests, decode rows)
 # Logs and JSON land in $OUT (or ./out); each part has its own time limit so a call stays bounded.
 set -uo pipefail
@@ -377,9 +377,9 @@ host-ab)  # a decode step's host stages in .base/ and in this tree, alternating,
         done
     done
     ;;
-stage-ab)  # the stage-in's event recorded in line (the default) or on a branch beside the step's kernels
-    # (FULLGRAPH_STAGE_EVENT=branch): the capture tests with the branch, then decode rows alternating
-    FULLGRAPH_STAGE_EVENT=branch run stage_branch_tests 150 python3 -m pytest -q -p no:cacheprovider \
+stage-ab)  # the stage-in's event recorded on a branch beside the step's kernels (the default) or in line
+    # (FULLGRAPH_STAGE_EVENT=inline): the capture tests in line, then decode rows alternating
+    FULLGRAPH_STAGE_EVENT=inline run stage_inline_tests 150 python3 -m pytest -q -p no:cacheprovider \
         tests/test_stage_in.py tests/test_device_token_ids.py tests/test_runner.py
     for i in 1 2; do
         for ev in inline branch; do

@@ -89,8 +89,8 @@ class StaticBuffers:
         self.feedback = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
         # recorded right after the stage-in, inside each graph (external: an event-record node of its
         # own, which every replay records), so the host knows when it may rewrite the staging area;
-        # with FULLGRAPH_STAGE_EVENT=branch on a branch of its own (a second stream, rejoined at the
-        # step's end), so that the record runs beside the model's kernels, not between them
+        # on a branch of its own (a second stream, rejoined at the step's end), so that the record
+        # runs beside the model's kernels, not between them (FULLGRAPH_STAGE_EVENT=inline: between)
         self._copied = torch.cuda.Event(external=True) if on_cuda else None
         self._branch = torch.cuda.Stream(self.device) if on_cuda and env.stage_event() == "branch" else None
         self._current_stream = CurrentStream(self.device) if on_cuda else None   # the stream the step runs on

@@ -19,11 +19,10 @@ variable                          effect                                        
 ``FULLGRAPH_COMPILE_WORKERS=N``   threads compiling Triton kernels ahead (0: off)     at each capture
 ``FULLGRAPH_STAGE_EVENT=WHERE``   where a step's graph records the event the host     once
                                   waits on before it rewrites the staging area:
-                                  ``inline`` (the default: right after the stage-in,
-                                  between it and the model's first kernel) or
-                                  ``branch`` (on a second stream beside the model's
-                                  kernels, rejoined at the step's end; opt-in until
-                                  timed)
+                                  ``branch`` (the default: on a second stream beside
+                                  the model's kernels, rejoined at the step's end) or
+                                  ``inline`` (right after the stage-in, between it and
+                                  the model's first kernel)
 ``FULLGRAPH_LINEAR=IMPL``         linears of 2-64 rows: ``auto`` (the default: on CUDA      once
                                   the split-K weight-streaming kernel for 2-32 rows,
                                   the decoder layer's norm, residual and RoPE + KV
@@ -123,9 +122,9 @@ def linear_impl() -> str:
 @functools.cache
 def stage_event() -> str:
     """``FULLGRAPH_STAGE_EVENT``: ``inline`` or ``branch`` (read once)."""
-    value = os.environ.get(STAGE_EVENT, "inline")
+    value = os.environ.get(STAGE_EVENT, "branch")
     if value not in ("inline", "branch"):
-        raise ValueError(f"{STAGE_EVENT}={value!r}: expected inline (the default) or branch")
+        raise ValueError(f"{STAGE_EVENT}={value!r}: expected branch (the default) or inline")
     return value
 
 
