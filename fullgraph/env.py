@@ -28,8 +28,8 @@ variable                          effect                                        
                                   the decoder layer's norm, residual and RoPE + KV
                                   write fused into it; cuBLAS for 33-64), ``timed``
                                   (``auto``, each captured size of 2-32 rows also
-                                  captured with cuBLAS and the faster graph kept;
-                                  opt-in until a GPU run has checked it), ``skinny``
+                                  captured with cuBLAS, the faster graph over 1,024
+                                  cached tokens a row kept; opt-in), ``skinny``
                                   (split-K for 2-64), ``cublas`` (2-64, the layer
                                   unfused) or ``triton`` (our tl.dot kernel)
 ``FULLGRAPH_FUSE=A,B``            decoder-layer fusions, default ``layer,rope``             once

@@ -82,13 +82,16 @@ class GraphSet:
 
     def capture(self, keys: Sequence[GraphKey], prepare: Callable[[GraphKey], None],
                 run: Callable[[GraphKey], None], addresses: Callable[[], dict[str, int]],
-                warmups: int = 1, variants: Callable[[GraphKey], Variants] | None = None) -> CaptureReport:
+                warmups: int = 1, variants: Callable[[GraphKey], Variants] | None = None,
+                timing: Callable[[GraphKey], None] | None = None) -> CaptureReport:
         """``variants(key)``: the forms a key's step may take; the first is captured (within its
         context) as a key without forms is; where there are more, each other is captured after a
         warm-up run of its own, their replays are timed against each other and the fastest is kept
         (:func:`pick`), the others' graphs dropped, their memory back in the pool for the smaller
-        keys. ``self.forms`` names each key's form, as soon as it is known (keys come largest first,
-        a size's decode-only key before its mixed one)."""
+        keys. ``timing(key)`` fills the buffers with the step the forms are timed on (default: the
+        capture step, which reads next to nothing of the cache); ``prepare`` then runs again.
+        ``self.forms`` names each key's form, as soon as it is known (keys come largest first, a
+        size's decode-only key before its mixed one)."""
         keys = sorted(keys, reverse=True)  # largest first: smaller graphs reuse its pool blocks
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()  # once, so the reserved-memory difference below is the graphs'
@@ -115,7 +118,7 @@ class GraphSet:
                 phases[2] += time.perf_counter() - t1 - recording
                 if len(forms) > 1:
                     t2 = time.perf_counter()
-                    name, times = self._choose(key, forms, run, warmups)
+                    name, times = self._choose(key, forms, run, warmups, timing, prepare)
                     self.forms[key] = name
                     chosen.append((key, name, times))
                     choosing += time.perf_counter() - t2
@@ -132,11 +135,13 @@ class GraphSet:
                              torch.cuda.memory_reserved(self.device) - reserved0, tuple(keys), *phases, compiled,
                              tuple(chosen), choosing)
 
-    def _choose(self, key: GraphKey, forms: Variants, run: Callable[[GraphKey], None],
-                warmups: int) -> tuple[str, tuple[float, ...]]:
+    def _choose(self, key: GraphKey, forms: Variants, run: Callable[[GraphKey], None], warmups: int,
+                timing: Callable[[GraphKey], None] | None = None,
+                prepare: Callable[[GraphKey], None] | None = None) -> tuple[str, tuple[float, ...]]:
         """Capture ``key`` in each of ``forms`` after the first (already in ``self.graphs``), time
-        them all, keep the fastest graph; returns its name and every form's replay ms. A form that
-        cannot run or be captured is logged and left out (its time ``inf``): the first one stands."""
+        them all (on the step ``timing`` fills the buffers with, then ``prepare`` again), keep the
+        fastest graph; returns its name and every form's replay ms. A form that cannot run or be
+        captured is logged and left out (its time ``inf``): the first one stands."""
         graphs, names = [self.graphs[key]], [forms[0][0]]
         for name, context in forms[1:]:
             try:
@@ -149,7 +154,11 @@ class GraphSet:
             except Exception as err:  # noqa: BLE001 (an alternative's failure leaves the default, named)
                 logger.warning("fullgraph: the %r form of graph %s could not be captured (%s: %s); keeping %r",
                                name, key, type(err).__name__, err, forms[0][0])
+        if timing is not None:
+            timing(key)
         measured = dict(zip(names, self._replay_ms(graphs)))
+        if timing is not None and prepare is not None:
+            prepare(key)
         times = [measured.get(name, float("inf")) for name, _ in forms]
         best = pick(times)
         self.graphs[key] = graphs[names.index(forms[best][0])]  # the others are freed on return

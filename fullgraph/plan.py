@@ -59,20 +59,26 @@ def plan_with_cache(chunks: Sequence[SeqChunk], config: RunnerConfig, target: Ta
 
 
 def capture_plan(config: RunnerConfig, target: Target | PaddingPolicy, num_blocks: int, num_tokens: int,
-                 decode_only: bool, num_reqs: int | None = None) -> StepPlan:
+                 decode_only: bool, num_reqs: int | None = None, context: int = 0) -> StepPlan:
     """A plan to capture the graph of one key with: short sequences that read only the null block
     and write nothing (every slot -1), so capture neither depends on nor touches the cache.
-    ``num_reqs`` (default: as many as the bucket pads to) spreads the tokens over that many."""
+    ``num_reqs`` (default: as many as the bucket pads to) spreads the tokens over that many.
+    ``context``: tokens each sequence already holds (at most what ``max_model_len`` leaves), on
+    pages taken in turn from ``[1, num_blocks)``, so that the step reads as much of the cache as a
+    decode step at that context does (a step to time a graph on; it still writes nothing)."""
     if isinstance(target, PaddingPolicy):
         target = Target(target.table, target, None, None)
     target = Target(target.fields, target.policy, target.values, None)  # fresh arrays, never the staging area
     r_pad = config.padded_num_reqs(num_tokens) if num_reqs is None else num_reqs
     q_lens = np.full(r_pad, num_tokens // r_pad, np.int64)
     q_lens[: num_tokens % r_pad] += 1
-    n_blocks = -(-q_lens // config.block_size)
-    inputs = StepInputs(None if r_pad == num_tokens else q_lens, np.zeros(r_pad, np.int64), q_lens,
-                        np.zeros(num_tokens, np.int64), np.zeros(int(n_blocks.sum()), np.int64), n_blocks,
-                        int(q_lens.max()), None)
+    context = max(0, min(context, config.max_model_len - int(q_lens.max())))
+    starts = np.full(r_pad, context, np.int64)
+    n_blocks = -(-(starts + q_lens) // config.block_size)
+    total = int(n_blocks.sum())
+    blocks = np.zeros(total, np.int64) if not context else 1 + np.arange(total) % (num_blocks - 1)
+    inputs = StepInputs(None if r_pad == num_tokens else q_lens, starts, starts + q_lens,
+                        np.zeros(num_tokens, np.int64), blocks, n_blocks, context + int(q_lens.max()), None)
     plan = layout(inputs, config, target, num_tokens, r_pad, num_blocks)
     plan.slot_mapping[:] = -1
     return plan.replace(decode_only=decode_only)

@@ -113,8 +113,7 @@ class FullGraphRunner:
         return out
 
     def reset(self) -> None:
-        """Forget every request: all KV pages free and zeroed. Captured graphs, compiled code and
-        statistics stay, so a runner can serve a fresh workload without capturing again."""
+        """Forget every request (all KV pages free and zeroed); graphs, compiled code and statistics stay."""
         self.blocks = BlockAllocator(self.config.num_blocks)
         for cache in self.kv_caches:
             cache.zero_()
@@ -339,31 +338,32 @@ class FullGraphRunner:
         """Capture a CUDA graph for every key (largest first, one pool); returns a report."""
         if self._graphs is None:
             if self.device.type != "cuda":
-                raise ValueError(f"capture() records CUDA graphs, and this runner's model is on {self.device}: there "
-                                 "is nothing to capture here. cudagraph='padded' already runs the padded static "
-                                 "buffers eagerly; warmup() runs every step shape once ahead")
+                raise ValueError(f"capture() records CUDA graphs; this runner's model is on {self.device}: nothing to "
+                                 "capture here (cudagraph='padded' runs the static buffers eagerly; warmup() each shape once)")
             raise ValueError(f'capture() needs cudagraph="full" (this runner is {self.config.cudagraph!r})')
         cfg = self.config
         target = Target(self.fields, self.policy, None, None)
         refresh_norms_on_load(self.model)  # what the fused kernels derive from the weights, before recording
 
-        def prepare(key: GraphKey) -> None:
-            self.buffers.copy_in(capture_plan(cfg, target, cfg.num_blocks, *key))
+        def prepare(key: GraphKey, context: int = 0) -> None:  # context: the step the linear forms are timed on
+            plan = capture_plan(cfg, target, cfg.num_blocks, *key, context=context)
+            if context and any(backend.prepare(plan) for backend in self._preparers):
+                plan = capture_plan(cfg, target, cfg.num_blocks, *key)  # a backend reading no cache: none
+            self.buffers.copy_in(plan)
 
         def run(key: GraphKey) -> None:
             self._run_static(key, cfg.padded_num_reqs(key[0]))
 
         forms = functools.partial(linear_choice.capture_forms, dtype=self.dtype, kept=self._graphs.forms)
         logger.info("fullgraph: capturing %d CUDA graphs ...", len(self.graph_keys()))
-        self._capture_report = self._graphs.capture(self.graph_keys(), prepare, run, self._addresses, variants=forms)
+        self._capture_report = self._graphs.capture(self.graph_keys(), prepare, run, self._addresses, variants=forms,
+                                                    timing=functools.partial(prepare, context=linear_choice.CONTEXT))
         logger.info("fullgraph: %s", self._capture_report)
         self._finish_warmup()
         return self._capture_report
 
     def _addresses(self) -> dict[str, int]:
-        out = self.buffers.addresses()
-        out.update({f"kv_caches[{i}]": t.data_ptr() for i, t in enumerate(self.kv_caches)})
-        return out
+        return {**self.buffers.addresses(), **{f"kv_caches[{i}]": t.data_ptr() for i, t in enumerate(self.kv_caches)}}
 
     # ---- statistics ----------------------------------------------------------------------
     def _count(self, plan: StepPlan, mode: str) -> None:
@@ -382,8 +382,7 @@ class FullGraphRunner:
         return {"steps": s["steps"], "tokens": s["tokens"], "padded_tokens": s["padded_tokens"],
                 "padding_waste": s["padded_tokens"] / total if total else 0.0,
                 "graph_hits": dict(s["graph_hits"]), "eager_fallbacks": dict(s["eager_fallbacks"]),
-                "graphs": report.num_graphs if report else 0,
-                "capture_seconds": report.seconds if report else 0.0,
+                "graphs": report.num_graphs if report else 0, "capture_seconds": report.seconds if report else 0.0,
                 "graph_bytes": report.graph_bytes if report else 0,
                 "forms": dict(self._graphs.forms) if self._graphs is not None else {},  # linear form per key
                 "form_ms": {key: times for key, _, times in report.chosen} if report else {},  # where timed

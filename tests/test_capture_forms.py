@@ -12,7 +12,9 @@ import torch
 
 import fullgraph as fg
 import fullgraph.env
+import fullgraph.plan
 from fullgraph import graphs
+from fullgraph.attention.backends.sdpa import SdpaBackend
 from fullgraph.kernels import linear_choice
 from fullgraph.kernels.linear import NO_LIMIT
 from test_linear_kernel import ref_linear
@@ -58,6 +60,49 @@ def test_choose_keeps_the_form_pick_says_and_survives_a_form_that_fails(second, 
     assert (name, graph_set.graphs[(8, True)]) == (want, f"graph of {want}")
     assert times == (1.0, float("inf") if second is None else second)
     assert entered == ["b"] and runs == ([] if second is None else [(8, True)] * 3)  # two warm-ups, a recording
+
+
+def test_choose_times_the_forms_on_the_timing_step_then_restores_the_capture_step(monkeypatch):
+    """With ``timing``, the buffers hold the timing step while (and only while) the replays are
+    timed: ``timing`` right before ``_replay_ms``, ``prepare`` right after; the warm-up and the
+    recording of the other form run on the capture step."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    graph_set, events = graphs.GraphSet(torch.device("cpu")), []
+    monkeypatch.setattr(graph_set, "_record", lambda run, key: (run(key), ("graph", 0.0))[1])
+    monkeypatch.setattr(graph_set, "_replay_ms", lambda gs: (events.append("replays"), [2.0, 1.0])[1])
+    graph_set.graphs[(8, True)] = "graph of a"
+    forms = [(name, contextlib.nullcontext) for name in ("a", "b")]
+    name, _ = graph_set._choose((8, True), forms, lambda key: events.append(("run", key)), 1,
+                                lambda key: events.append(("timing", key)), lambda key: events.append(("prepare", key)))
+    assert name == "b"
+    assert events == [("run", (8, True))] * 2 + [("timing", (8, True)), "replays", ("prepare", (8, True))]
+
+
+@pytest.mark.parametrize("context", [0, 40, 1000])
+@pytest.mark.parametrize("key", [(4, True), (8, True), (8, False)])
+def test_the_timing_step_reads_its_context_and_writes_nothing(key, context):
+    """``capture_plan(..., context=C)``: every sequence holds C tokens before its own (at most what
+    ``max_model_len`` leaves), on pages of ``[1, num_blocks)`` (taken in turn, so distinct while
+    there are enough), its block-table row filled that far and the null block past it; every slot
+    -1; C = 0 is the capture step (the null block only)."""
+    cfg = fg.RunnerConfig(max_num_seqs=8, max_num_tokens=8, max_model_len=128, block_size=16, num_blocks=40,
+                          capture_sizes=(1, 4, 8))
+    tokens, decode = key
+    plan = fullgraph.plan.capture_plan(cfg, SdpaBackend.policy, cfg.num_blocks, *key, context=context)
+    rows = plan.num_reqs
+    q = np.diff(plan.query_start_loc[: rows + 1])
+    held = min(context, cfg.max_model_len - int(q.max()))
+    assert plan.decode_only is decode and plan.num_tokens == tokens and q.sum() == tokens
+    assert (plan.seq_lens[:rows] == held + q).all() and plan.max_seq_len == held + int(q.max())
+    assert (plan.slot_mapping == -1).all()
+    pages = -(-(held + q) // cfg.block_size)
+    ids = np.concatenate([plan.block_table[r, : pages[r]] for r in range(rows)])
+    assert ((ids > 0) & (ids < cfg.num_blocks)).all() if held else (ids == 0).all()
+    if held and len(ids) < cfg.num_blocks:
+        assert len(set(ids.tolist())) == len(ids)
+    assert all((plan.block_table[r, pages[r]:] == 0).all() for r in range(rows))
+    starts = plan.query_start_loc[:rows]
+    assert (plan.positions[starts] == held).all()
 
 
 @pytest.mark.parametrize("setting", linear_choice.AUTO)
@@ -140,6 +185,7 @@ def test_the_kept_form_is_what_replays(keep, monkeypatch):
     full = fg.FullGraphRunner(model, cudagraph="full", **limits)
     padded = fg.FullGraphRunner(model, cudagraph="padded", **limits)
     report = full.capture()
+    assert not any(cache.any() for cache in full.kv_caches)  # the timing step (cached context) wrote nothing
     # timed in the decode-only graphs; the mixed graph of a size takes that form; one row has none
     assert sorted((key, name) for key, name, _ in report.chosen) == [((4, True), keep), ((8, True), keep)]
     assert all(len(times) == 2 and min(times) > 0 for _, _, times in report.chosen)
@@ -164,3 +210,25 @@ def test_the_kept_form_is_what_replays(keep, monkeypatch):
             assert not torch.equal(diff.logits, got.logits), f"{keep} and {other} computed the same bits"
             scale = got.logits.abs().max().clamp(min=1.0)
             assert ((diff.logits - got.logits).abs().max() / scale).item() < 5e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs")
+def test_a_backend_that_refuses_the_timing_step_leaves_the_capture_step_to_time(monkeypatch):
+    """A backend whose host planning refuses cached context (FlashAttention without paging) is
+    asked about the timing step, never about a capture step; refused, the forms are timed on the
+    capture step, and capture completes, the cache untouched."""
+    asked = []
+
+    def refuse(self, plan):
+        asked.append(int(plan.seq_lens[: plan.num_reqs].max()))
+        return "attends to cached context"
+    monkeypatch.setattr(SdpaBackend, "prepare", refuse)
+    monkeypatch.setattr(fullgraph.env, "linear_impl", lambda: "timed")
+    model = fg.models.Llama(fg.models.LlamaConfig.toy(), dtype=torch.bfloat16, device="cuda", seed=0)
+    runner = fg.FullGraphRunner(model, cudagraph="full", attention="sdpa", max_num_seqs=8, max_num_tokens=8,
+                                max_model_len=128, block_size=16, capture_sizes=(1, 4, 8))
+    report = runner.capture()
+    assert sorted(key for key, _, _ in report.chosen) == [(4, True), (8, True)]
+    assert len(asked) == 2 and min(asked) > 1   # once per timed graph, each with its context
+    assert not any(cache.any() for cache in runner.kv_caches)

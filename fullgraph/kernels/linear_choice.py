@@ -21,8 +21,10 @@ as kernels of their own), replays both and keeps the faster (``graphs.GraphSet.c
 choice per captured size is in the capture report); otherwise ``timed`` is ``auto``. A linear timed
 alone would mislead: timed eagerly, back to back, launch overhead and a cache-resident weight
 decided it, and chose ours where it is twice as slow; a whole step's replay streams every weight
-from memory as a served step does, and its kernels overlap as theirs do. On the H100 the split-K
-kernel won at 8 and 32 rows; on an H200 llama-1b's 32-row step ran 9% slower after it came in.
+from memory as a served step does, and its kernels overlap as theirs do. The replays are timed
+on a step whose sequences hold :data:`CONTEXT` tokens each (read, never written): on the capture
+step, which reads next to nothing of the cache, the split-K form won by 6-23% everywhere (H100,
+2026-12-07), while at context 1024 cuBLAS was 1.6% faster for llama-1b's 32 rows.
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ MAX_ROWS = 64   # more rows take cuBLAS (with the norm and the activation as ker
 SKINNY_ROWS = 32  # ``auto`` on CUDA: 2 to this many rows take the split-K kernel, more take cuBLAS
 TUNED = ("skinny", "cublas")  # what a captured step of 2-32 rows is timed with, the default first
 AUTO = ("auto", "timed")      # the settings under which 2-32 rows take the split-K kernel unless forced
+CONTEXT = 1024  # tokens each sequence holds in the step the forms are timed on (at most max_model_len allows)
 
 _forced: str | None = None  # :func:`forced`: what ``auto`` gives the split-K kernel's steps now
 
