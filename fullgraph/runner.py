@@ -338,8 +338,8 @@ class FullGraphRunner:
         """Capture a CUDA graph for every key (largest first, one pool); returns a report."""
         if self._graphs is None:
             if self.device.type != "cuda":
-                raise ValueError(f"capture() records CUDA graphs; this runner's model is on {self.device}: nothing to "
-                                 "capture here (cudagraph='padded' runs the static buffers eagerly; warmup() each shape once)")
+                raise ValueError(f"capture() records CUDA graphs, this runner's model is on {self.device}: nothing to "
+                                 "capture here (cudagraph='padded' runs the static buffers eagerly)")
             raise ValueError(f'capture() needs cudagraph="full" (this runner is {self.config.cudagraph!r})')
         cfg = self.config
         target = Target(self.fields, self.policy, None, None)
