@@ -173,7 +173,7 @@ skinny-sweep)  # the split-K kernel's configurations against cuBLAS at 1-64 rows
 peers)  # each row beside the naive whole-model CUDA graph and torch.compile(mode="reduce-overhead")
     run peers_llama1b 150 python3 -m fullgraph.bench decode --preset llama-1b --batch 1 32 --context 1024 --modes full \
         --steps 30 --loop sync overlap --peers --out "$OUT/peers_llama1b.json"
-    run peers_smollm2 120 python3 -m fullgraph.bench decode --preset smollm2-135m --batch 1 32 --context 1024 \
+    run peers_smollm2 180 python3 -m fullgraph.bench decode --preset smollm2-135m --batch 1 32 --context 1024 \
         --modes full --steps 30 --loop sync overlap --peers --out "$OUT/peers_smollm2.json"
     run peers_llama8b 150 python3 -m fullgraph.bench decode --preset llama-8b --batch 1 --context 1024 --modes full \
         --steps 30 --loop sync overlap --peers --out "$OUT/peers_llama8b.json"
@@ -261,7 +261,7 @@ sampling-ab)  # the sampling kernel of .base/ and of this tree back to back (the
         --out "$OUT/sampling_passes.json"
     ;;
 sampling)  # the sampling kernel alone: undecided tokens per row, each pass at batch 32, the table (no sort reference)
-    run sampling_passes 150 python3 benchmarks/bench_sampling.py --skip-reference --zones --passes --sweep \
+    run sampling_passes 240 python3 benchmarks/bench_sampling.py --skip-reference --zones --passes --sweep \
         --out "$OUT/sampling.json"
     ;;
 sanitize)  # quick: triton and block-sparse kernels, with programmatic dependent launch and without
