@@ -72,7 +72,7 @@ def capture_plan(config: RunnerConfig, target: Target | PaddingPolicy, num_block
     r_pad = config.padded_num_reqs(num_tokens) if num_reqs is None else num_reqs
     q_lens = np.full(r_pad, num_tokens // r_pad, np.int64)
     q_lens[: num_tokens % r_pad] += 1
-    context = max(0, min(context, config.max_model_len - int(q_lens.max())))
+    context = max(0, min(context, config.max_model_len - int(q_lens.max()))) if num_blocks > 1 else 0
     starts = np.full(r_pad, context, np.int64)
     n_blocks = -(-(starts + q_lens) // config.block_size)
     total = int(n_blocks.sum())
