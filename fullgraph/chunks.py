@@ -20,7 +20,7 @@ from .config import RunnerConfig
 FEW = 4  # up to this many chunks, per-chunk Python ints and slices beat building and reducing arrays
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class SeqChunk:
     """The new tokens of one request in one step.
 
@@ -36,6 +36,13 @@ class SeqChunk:
     start_pos: int
     block_ids: Sequence[int]
     request_id: Hashable | None = None
+
+    def __init__(self, token_ids: Sequence[int], start_pos: int, block_ids: Sequence[int],
+                 request_id: Hashable | None = None) -> None:
+        # frozen, but filled through the instance dict: a frozen dataclass's own __init__ sets each
+        # field with object.__setattr__ (0.53 us a chunk against 0.23, VM): 256 decodes a step make 256
+        d = self.__dict__
+        d["token_ids"], d["start_pos"], d["block_ids"], d["request_id"] = token_ids, start_pos, block_ids, request_id
 
 
 class StepInputs(NamedTuple):

@@ -1,12 +1,14 @@
 """plan_step: layout properties over random batches, and a clear ValueError for every bad input."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 import fullgraph as fg
 from fullgraph.padding import check, get_policy
-from fullgraph.plan import bucket_for
+from fullgraph.plan import SeqChunk, bucket_for
 
 CFG = fg.RunnerConfig(max_num_seqs=8, max_num_tokens=64, max_model_len=200, block_size=16, num_blocks=120)
 
@@ -159,3 +161,18 @@ def test_bad_input_names_the_chunk_and_field(name, chunks, who, what):
     with pytest.raises(ValueError) as err:
         fg.plan_step(chunks, CFG, get_policy("sdpa"), vocab_size=100)
     assert who in str(err.value) and what in str(err.value)
+
+
+def test_seq_chunk_is_a_frozen_dataclass():
+    """``SeqChunk``'s own ``__init__`` (fast to build: a decode step makes one a request) keeps what
+    the dataclass gave: keyword and positional fields, the default, equality, ``replace`` and no
+    assignment."""
+    chunk = SeqChunk([5, 6], 3, [1, 2], "r")
+    assert chunk == SeqChunk(token_ids=[5, 6], start_pos=3, block_ids=[1, 2], request_id="r")
+    assert SeqChunk([5], 0, [1]).request_id is None
+    assert [f.name for f in dataclasses.fields(SeqChunk)] == ["token_ids", "start_pos", "block_ids", "request_id"]
+    moved = dataclasses.replace(chunk, start_pos=4)
+    assert (moved.start_pos, moved.token_ids, chunk.start_pos) == (4, [5, 6], 3)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        chunk.start_pos = 9
+    assert "start_pos=3" in repr(chunk)
