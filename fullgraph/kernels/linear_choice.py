@@ -23,7 +23,7 @@ alone would mislead: timed eagerly, back to back, launch overhead and a cache-re
 decided it, and chose ours where it is twice as slow; a whole step's replay streams every weight
 from memory as a served step does, and its kernels overlap as theirs do. The replays are timed
 on a step whose sequences hold :data:`CONTEXT` tokens each (read, never written): on the capture
-step, which reads next to nothing of the cache, the split-K form won by 6-23% everywhere (H100,
+step, which reads next to nothing of the cache, the split-K form won by 6-22% everywhere (H100,
 2026-12-07), while at context 1024 cuBLAS was 1.6% faster for llama-1b's 32 rows.
 """
 from __future__ import annotations
