@@ -273,7 +273,8 @@ class FullGraphRunner:
         if self.config.sampling:  # ids sampled by the previous step, read where they lie on the device
             input_ids = sampling.fed_back_ids(input_ids, inputs["prev_token_row"], inputs["feedback"])
         hidden = self.model(input_ids, inputs["positions"], self.kv_caches, metadata)             # (T, hidden)
-        logits = self.model.compute_logits(hidden[inputs["logits_indices"]])                      # (R, vocab) float32
+        # (R, vocab) float32; a decode step's rows are its tokens (T == R, one each): no gather launch
+        logits = self.model.compute_logits(hidden if decode_only else hidden[inputs["logits_indices"]])
         if not self.config.sampling:
             return {"logits": logits}
         return self._sample(logits, inputs)
