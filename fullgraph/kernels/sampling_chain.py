@@ -61,20 +61,15 @@ def _rough_gumbel(m, FAST: tl.constexpr):
 
 
 @triton.jit
-def _chain_step(x, idx, r, inv_t, best, arg, win, wid, run, FAST: tl.constexpr):
-    """One token per position into the scan's per-position state: the raw max and its first id,
-    the best rough score and its id, and the best one that position did not keep (a position's ids
-    grow from step to step, so ">" keeps the lowest). ``r``: the tokens' Philox words."""
-    best, arg = _track_max(x, idx, best, arg)
-    score = x * inv_t + _rough_gumbel((r >> 9).to(tl.int32), FAST)
-    run = tl.maximum(run, tl.minimum(score, win))
-    wid = tl.where(score > win, idx, wid)
-    return best, arg, tl.maximum(win, score), wid, run
+def _rough_noise(start, seed, offset, BLOCK: tl.constexpr, FAST: tl.constexpr):
+    """:func:`_rough_gumbel` of tokens start .. start + BLOCK - 1: the Philox bits of ``_noise_block``."""
+    r0, r1, r2, r3 = _philox_words(start // 4 + tl.arange(0, BLOCK // 4), seed, offset)
+    return _rough_gumbel((tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [BLOCK]) >> 9).to(tl.int32), FAST)
 
 
 @triton.jit
 def _slack(v):
-    """How far a score from ``_rough_gumbel`` can lie from the exact one: its error, the two
+    """How far a score from ``_rough_noise`` can lie from the exact one: its error, the two
     roundings of ``s + g`` and a margin (-inf stays -inf)."""
     return tl.where(v > NEG_INF, v + (1e-4 + 4e-7 * tl.abs(v)), v)
 
@@ -91,35 +86,23 @@ def _scan_chain(x_row, row_part, list_f, list_i, c, chunk, vocab, inv_t, seed, o
     """The raw max and its lowest index (as for every row) and the chunk's list: T tokens with the
     best scores (by rough noise, then scored exactly), their values, and a bound of every other
     token's exact score."""
-    # A step takes BLOCK tokens as four strided quarters: token start + 4j + k gets word k of Philox
-    # counter start / 4 + j, so each quarter's noise comes from its own word, with no interleaving of
-    # the four (joins and a reshape: three layout conversions through shared memory a step).
-    Q: tl.constexpr = BLOCK // 4
-    j4 = 4 * tl.arange(0, Q)
-    best = tl.full([Q], NEG_INF, tl.float32)
-    arg = tl.zeros([Q], tl.int32) + c * chunk
-    win = tl.full([Q], NEG_INF, tl.float32)           # per position: the best rough score, its id ...
-    wid = tl.zeros([Q], tl.int32) + INT_MAX
-    run = tl.full([Q], NEG_INF, tl.float32)           # ... and the best one it did not keep
-    base = c * chunk
-    end = tl.minimum(vocab, base + chunk)             # the chunk's end: the next step is loaded ahead
-    n0 = tl.load(x_row + base + j4, mask=base + j4 < end, other=NEG_INF)
-    n1 = tl.load(x_row + base + j4 + 1, mask=base + j4 + 1 < end, other=NEG_INF)
-    n2 = tl.load(x_row + base + j4 + 2, mask=base + j4 + 2 < end, other=NEG_INF)
-    n3 = tl.load(x_row + base + j4 + 3, mask=base + j4 + 3 < end, other=NEG_INF)
+    best = tl.full([BLOCK], NEG_INF, tl.float32)
+    arg = tl.zeros([BLOCK], tl.int32) + c * chunk
+    win = tl.full([BLOCK], NEG_INF, tl.float32)       # per position: the best rough score, its id ...
+    wid = tl.zeros([BLOCK], tl.int32) + INT_MAX
+    run = tl.full([BLOCK], NEG_INF, tl.float32)       # ... and the best one it did not keep
+    end = tl.minimum(vocab, (c + 1) * chunk)         # the chunk's end: the next block is loaded ahead
+    nxt = tl.load(x_row + c * chunk + tl.arange(0, BLOCK), mask=c * chunk + tl.arange(0, BLOCK) < end, other=NEG_INF)
     for off in range(0, chunk, BLOCK):
-        start = base + off
-        x0, x1, x2, x3 = _finite_or_neg_inf(n0), _finite_or_neg_inf(n1), _finite_or_neg_inf(n2), _finite_or_neg_inf(n3)
-        nb = start + BLOCK + j4
-        n0 = tl.load(x_row + nb, mask=nb < end, other=NEG_INF)
-        n1 = tl.load(x_row + nb + 1, mask=nb + 1 < end, other=NEG_INF)
-        n2 = tl.load(x_row + nb + 2, mask=nb + 2 < end, other=NEG_INF)
-        n3 = tl.load(x_row + nb + 3, mask=nb + 3 < end, other=NEG_INF)
-        r0, r1, r2, r3 = _philox_words(start // 4 + tl.arange(0, Q), seed, offset)
-        best, arg, win, wid, run = _chain_step(x0, start + j4, r0, inv_t, best, arg, win, wid, run, FAST)
-        best, arg, win, wid, run = _chain_step(x1, start + j4 + 1, r1, inv_t, best, arg, win, wid, run, FAST)
-        best, arg, win, wid, run = _chain_step(x2, start + j4 + 2, r2, inv_t, best, arg, win, wid, run, FAST)
-        best, arg, win, wid, run = _chain_step(x3, start + j4 + 3, r3, inv_t, best, arg, win, wid, run, FAST)
+        start = c * chunk + off
+        idx = start + tl.arange(0, BLOCK)
+        x = _finite_or_neg_inf(nxt)
+        nxt = tl.load(x_row + idx + BLOCK, mask=idx + BLOCK < end, other=NEG_INF)
+        best, arg = _track_max(x, idx, best, arg)
+        score = x * inv_t + _rough_noise(start, seed, offset, BLOCK, FAST)
+        run = tl.maximum(run, tl.minimum(score, win))
+        wid = tl.where(score > win, idx, wid)
+        win = tl.maximum(win, score)
     m, first = _max_and_first(best, arg)
     tl.store(row_part, m)
     i = tl.arange(0, T)

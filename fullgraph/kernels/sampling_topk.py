@@ -35,14 +35,17 @@ def _is_topk(t, top_k, vocab, num_chunks, TK: tl.constexpr):
 @triton.jit
 def _scan_values(x_row, row_part, values, value_ids, c, chunk, vocab, inv_t, BLOCK: tl.constexpr, TK: tl.constexpr):
     """The raw max and its lowest index (as for every row); TK of the chunk's values ``s`` and
-    their ids (``values[:TK]``, ``value_ids``), and the bound ``values[TK]`` of the others."""
+    their ids (``values[:TK]``, ``value_ids``), and the bound ``values[TK]`` of the others.
+
+    A position keeps its best value and its runner-up; every value it drops is at most its
+    runner-up of the moment, which only grows. So after the loop whatever a position does not hold
+    is at most its runner-up, and once the listing has taken both, at most the runner-up it listed."""
     best = tl.full([BLOCK], NEG_INF, tl.float32)
     arg = tl.zeros([BLOCK], tl.int32) + c * chunk
     win = tl.full([BLOCK], NEG_INF, tl.float32)       # per position: the largest s and the runner-up, their ids
     win_id = tl.zeros([BLOCK], tl.int32) + INT_MAX
     run = tl.full([BLOCK], NEG_INF, tl.float32)
     run_id = tl.zeros([BLOCK], tl.int32) + INT_MAX
-    lost = tl.full([BLOCK], NEG_INF, tl.float32)      # ... and the largest it dropped
     for off in range(0, chunk, BLOCK):
         idx = c * chunk + off + tl.arange(0, BLOCK)
         x = _raw(x_row, idx, vocab)
@@ -50,22 +53,24 @@ def _scan_values(x_row, row_part, values, value_ids, c, chunk, vocab, inv_t, BLO
         s = x * inv_t
         top = s > win                                 # a new best (a position's ids grow: ties keep the first)
         cand = tl.where(top, win, s)                  # the runner-up's contender: the old best, or s
-        cand_id = tl.where(top, win_id, idx)
         up = cand > run
-        lost = tl.maximum(lost, tl.where(up, run, cand))
-        run, run_id = tl.where(up, cand, run), tl.where(up, cand_id, run_id)
+        run, run_id = tl.where(up, cand, run), tl.where(up, tl.where(top, win_id, idx), run_id)
         win, win_id = tl.where(top, s, win), tl.where(top, idx, win_id)
     m, first = _max_and_first(best, arg)
     tl.store(row_part, m)
+    taken = tl.zeros([BLOCK], tl.int1)                # positions whose best is listed
+    cap = tl.full([], NEG_INF, tl.float32)           # the largest runner-up listed after its position's best
     for i in tl.static_range(TK):                     # the best one left, the lowest id among equals
         top = tl.max(win, 0)
         top_id = tl.min(tl.where(win == top, win_id, INT_MAX), 0)
         tl.store(values + i, top)
         tl.store(value_ids + i, top_id)
         hit = win_id == top_id                        # that position moves to its runner-up
+        cap = tl.where(tl.max((hit & taken).to(tl.int32), 0) > 0, tl.maximum(cap, top), cap)
+        taken = taken | hit
         win, win_id = tl.where(hit, run, win), tl.where(hit, run_id, win_id)
         run, run_id = tl.where(hit, NEG_INF, run), tl.where(hit, INT_MAX, run_id)
-    tl.store(values + TK, tl.maximum(tl.max(win, 0), tl.max(lost, 0)))
+    tl.store(values + TK, tl.maximum(tl.max(win, 0), cap))
     return first
 
 
