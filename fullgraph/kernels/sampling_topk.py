@@ -4,7 +4,7 @@ of the few tokens that can be kept, instead of the histograms (see ``kernels/sam
 Every kept token lies in the top-k set ``{s >= v_k}``. The scan pass lists, per chunk, ``TOP_VALUES``
 of its largest values ``s`` with their ids (a position's best and runner-up in turn: any subset of
 the row's tokens serves), and a bound ``B`` every unlisted token of the chunk stays at or below
-(the best a position still holds, or the largest a position dropped). The k-th largest listed
+(the best a position still holds, or a runner-up listed after its position's best). The k-th largest listed
 value ``L`` is at most ``v_k`` (the k-th largest of a subset is at most the k-th largest of the
 whole), so ``{s >= L}`` holds the whole top-k set, usually little more than k tokens. The level-1
 launch writes their ids, in id order, to the candidate list the select pass reads (``cand``, one
