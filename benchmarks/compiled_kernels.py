@@ -182,13 +182,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     except (AttributeError, TypeError, FileNotFoundError) as err:
         raise SystemExit(f"compiled_kernels: this Triton ({triton.__version__}) does not compile without a "
                          f"device the way this script expects: {type(err).__name__}: {err}") from err
-    cols = ("case", "kernel", "num_warps", "registers", "spill_bytes", "shared_bytes", "conversions",
-            "conversions_in_loops")
-    widths = [max(len(c), *(len(str(r[c])) for r in rec.rows)) for c in cols]
-    print(" | ".join(c.rjust(w) for c, w in zip(cols, widths)))
-    print("-+-".join("-" * w for w in widths))
-    for r in rec.rows:
-        print(" | ".join(str(r[c]).rjust(w) for c, w in zip(cols, widths)))
+    from fullgraph.bench import _table
+    _table(rec.rows, ["case", "kernel", "num_warps", "registers", "spill_bytes", "shared_bytes", "conversions",
+                      "conversions_in_loops"])
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"triton": triton.__version__, "arch": args.arch, "rows": rec.rows}, f, indent=1)
