@@ -76,35 +76,15 @@ def store(acc, out_ptr, M, stride_om, pid, rn, n_ok, N, limit, ACT: tl.constexpr
 
 
 @triton.jit
-def _tile_like(ptr, k0, rk, K, w):
-    """Elements ``k0 + rk`` of a (K,) vector as float32 (0 past K), broadcast to weight tile ``w``'s
-    shape by the load itself: every weight row's threads load the same elements (L1 hits), and the
-    tile comes out in the weight tile's layout. A (BLOCK_K,) load broadcast afterwards is converted
-    to that layout through shared memory every K step (sm_90 build: one conversion a step)."""
-    offs = (k0 + rk)[None, :] + tl.zeros(w.shape, tl.int32)
-    return tl.load(ptr + offs, mask=offs < K, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _norm_tile_like(g_ptr, k0, rk, K, w, NORM: tl.constexpr):
-    """:func:`_norm_tile` in weight tile ``w``'s shape (:func:`_tile_like`); 0 without NORM."""
-    if NORM:
-        return _tile_like(g_ptr, k0, rk, K, w)
-    return tl.zeros(w.shape, tl.float32)
-
-
-@triton.jit
 def _row_tile(w, g, x_ptr, k0, rk, K, NORM: tl.constexpr):
     """One K tile of one row: (the (BLOCK_N,) partial products with weight tile ``w``, the tile's
-    sum of squares of x, one per weight row, all equal). x comes in ``w``'s shape
-    (:func:`_tile_like`); with NORM it is scaled by ``g``, the norm weight's tile in that shape
-    (:func:`_norm_tile_like`; the 1/rms comes later)."""
-    x = _tile_like(x_ptr, k0, rk, K, w)
+    sum of squares of x). With NORM, x is scaled by ``g``, the norm weight's tile (the 1/rms comes later)."""
+    x = tl.load(x_ptr + k0 + rk, mask=k0 + rk < K, other=0.0).to(tl.float32)
     ss = 0.0
     if NORM:
-        ss = tl.sum(x * x, axis=1)
+        ss = tl.sum(x * x, axis=0)
         x = x * g
-    return tl.sum(w.to(tl.float32) * x, axis=1), ss
+    return tl.sum(w.to(tl.float32) * x[None, :], axis=1), ss
 
 
 @triton.jit
@@ -167,14 +147,9 @@ def product(x_ptr, w_ptr, b_ptr, g_ptr, sums_ptr, res_ptr, M, K, eps, stride_xm,
     if HAS_BIAS:
         bias = tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
     if BLOCK_M == 1:  # the norm weight's first tiles are parameters too
-        if NORM == 2:
-            g0 = _norm_tile(g_ptr, 0, rk, K, NORM)
-            if PREFETCH > 1:
-                g1 = _norm_tile(g_ptr, BLOCK_K, rk, K, NORM)
-        else:
-            g0 = _norm_tile_like(g_ptr, 0, rk, K, w0, NORM)
-            if PREFETCH > 1:
-                g1 = _norm_tile_like(g_ptr, BLOCK_K, rk, K, w1, NORM)
+        g0 = _norm_tile(g_ptr, 0, rk, K, NORM)
+        if PREFETCH > 1:
+            g1 = _norm_tile(g_ptr, BLOCK_K, rk, K, NORM)
         if NORM == 2:  # (sum(w g), sum(w b)) of each weight row
             wg = tl.load(sums_ptr + 2 * rn, mask=n_ok, other=0.0)
             wb = tl.load(sums_ptr + 2 * rn + 1, mask=n_ok, other=0.0)
@@ -211,7 +186,7 @@ def product(x_ptr, w_ptr, b_ptr, g_ptr, sums_ptr, res_ptr, M, K, eps, stride_xm,
             ss += part_ss
         for k0 in range(PREFETCH * BLOCK_K, K, BLOCK_K):
             w = tl.load(w_rows + (k0 + rk)[None, :], mask=n_ok[:, None] & (k0 + rk < K)[None, :], other=0.0)
-            part, part_ss = _row_tile(w, _norm_tile_like(g_ptr, k0, rk, K, w, NORM), x_ptr, k0, rk, K, NORM)
+            part, part_ss = _row_tile(w, _norm_tile(g_ptr, k0, rk, K, NORM), x_ptr, k0, rk, K, NORM)
             acc1 += part
             ss += part_ss
         if NORM:
