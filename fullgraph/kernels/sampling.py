@@ -85,7 +85,7 @@ from .._compat import custom_op
 @triton.jit
 def _scan_kernel(
         logits_ptr, temp_ptr, top_k_ptr, min_p_ptr, seed_ptr, offset_ptr,             # pointers
-        part_f_ptr, part_i_ptr, hist_ptr, zones_ptr, list_f_ptr, list_i_ptr, values_ptr, value_ids_ptr,
+        part_f_ptr, part_i_ptr, hist_ptr, zones_ptr, list_f_ptr, list_i_ptr, values_ptr,
         vocab, chunk, num_chunks,                                                     # sizes
         stride_l,                                                                     # strides
         NB: tl.constexpr, BLOCK: tl.constexpr, T: tl.constexpr, TK: tl.constexpr, FAST: tl.constexpr,
@@ -101,8 +101,8 @@ def _scan_kernel(
     t = tl.load(temp_ptr + row)
     top_k = tl.load(top_k_ptr + row)
     if _is_topk(t, top_k, vocab, num_chunks, TK):
-        first = _scan_values(x_row, part_f_ptr + slot * 4, values_ptr + slot * (TK + 1), value_ids_ptr + slot * TK,
-                             c, chunk, vocab, tl.math.div_rn(1.0, t), BLOCK, TK)
+        first = _scan_values(x_row, part_f_ptr + slot * 4, values_ptr + slot * TK, c, chunk, vocab,
+                             tl.math.div_rn(1.0, t), BLOCK, TK)
     elif _is_chain(t, top_k, tl.load(min_p_ptr + row), vocab):
         first = _scan_chain(x_row, part_f_ptr + slot * 4, list_f_ptr + slot * (2 * T + 1), list_i_ptr + slot * T,
                             c, chunk, vocab, tl.math.div_rn(1.0, t), tl.load(seed_ptr + row),
@@ -148,7 +148,7 @@ def _level_zones(hist_row, zrow, part_f_ptr, row, num_chunks, top_k, top_p, min_
 @triton.jit
 def _hist_kernel(
         logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, part_f_ptr, hist_ptr, zones_ptr,  # pointers
-        list_f_ptr, list_i_ptr, chain_f_ptr, values_ptr, value_ids_ptr, part_i_ptr, cand_ptr,
+        list_f_ptr, list_i_ptr, chain_f_ptr, values_ptr, part_i_ptr, cand_ptr,
         vocab, chunk, num_chunks, refine_above, cand_block,                                      # sizes
         stride_l,                                                                                # strides
         NB: tl.constexpr, BPN: tl.constexpr, BLOCK: tl.constexpr, C_PAD: tl.constexpr, LEVEL: tl.constexpr,
@@ -182,8 +182,8 @@ def _hist_kernel(
                 _check_chain(x_row, chain_f_ptr, list_f_ptr, list_i_ptr, zrow, s_max, row, c, chunk, num_chunks,
                              vocab, inv_t, top_p, BLOCK, J, T, C_PAD)
             if topk & (s_max > NEG_INF):
-                _list_topk(x_row, values_ptr, value_ids_ptr, part_f_ptr, part_i_ptr, cand_ptr, zrow, row, c, chunk,
-                           num_chunks, vocab, inv_t, top_k, cand_block, BLOCK, TK, C_PAD)
+                _list_topk(x_row, values_ptr, part_f_ptr, part_i_ptr, cand_ptr, zrow, row, c, chunk, num_chunks,
+                           vocab, inv_t, top_k, cand_block, BLOCK, TK, C_PAD)
             go = go & ~chain & ~topk
         else:                                        # rows whose level-1 zone was too wide, and chain
             first = chain | topk                     # or top-k rows that fell back (their level 1 runs here)
@@ -335,22 +335,21 @@ def launch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     list_f = torch.empty(rows, c, 2 * list_top + 1, dtype=torch.float32, device=dev)  # scores, values, bound
     list_i = torch.empty(rows, c, list_top, dtype=torch.int32, device=dev)            # the listed ids
     chain_f = torch.empty(rows, c, 5, dtype=torch.float32, device=dev)   # masses above links 0 .. 3, Z
-    values = torch.empty(rows, c, TOP_VALUES + 1, dtype=torch.float32, device=dev)   # top-k rows' listed values, bound
-    value_ids = torch.empty(rows, c, TOP_VALUES, dtype=torch.int32, device=dev)      # ... and the listed ids
+    values = torch.empty(rows, c, TOP_VALUES, dtype=torch.float32, device=dev)   # top-k rows' listed values
     if workspace is not None:
         workspace.update(part_f=part_f, part_i=part_i, hist=hist, zones=zones, cand=cand, list_f=list_f,
-                         list_i=list_i, chain_f=chain_f, values=values, value_ids=value_ids)
+                         list_i=list_i, chain_f=chain_f, values=values)
     # No FMA contraction: s = x * (1 / T) and s - s_max round exactly as in PyTorch.
     meta = dict(NB=NUM_BUCKETS, BLOCK=block, enable_fp_fusion=False, **pdl.options(logits))
     warps = 8 if block >= 2048 else 4
     _scan_kernel[(rows, c)](logits, temperature, top_k, min_p, seeds, offsets, part_f, part_i, hist, zones, list_f,
-                            list_i, values, value_ids, vocab, chunk, c, logits.stride(0), T=list_top, TK=TOP_VALUES,
+                            list_i, values, vocab, chunk, c, logits.stride(0), T=list_top, TK=TOP_VALUES,
                             FAST=not INTERPRET, num_warps=warps, **meta)
     meta.update(BPN=BUCKETS_PER_NAT, C_PAD=c_pad)
     params = (temperature, top_k, top_p, min_p, seeds, offsets)
     for level in (1, 2):
         _hist_kernel[(rows, c)](logits, temperature, top_k, top_p, min_p, part_f, hist, zones, list_f, list_i,
-                                chain_f, values, value_ids, part_i, cand, vocab, chunk, c, refine_above, cand_block,
+                                chain_f, values, part_i, cand, vocab, chunk, c, refine_above, cand_block,
                                 logits.stride(0), LEVEL=level, T=list_top, J=chain, TK=TOP_VALUES, num_warps=warps,
                                 **meta)
     _compact_kernel[(rows, c)](logits, *params, part_f, part_i, zones, cand, vocab, chunk, c, chunk,
