@@ -16,7 +16,7 @@ from fullgraph.sampling import apply_token_bitmask
 from fullgraph.vocab import token_bytes
 from harness import HAS_CUDA, toy_model
 
-pytest.importorskip("llguidance")
+pytest.importorskip("llguidance", minversion="1.7")
 MODE = "full" if HAS_CUDA else "padded"
 LIMITS = dict(max_num_seqs=8, max_model_len=256, max_num_tokens=128, block_size=16)
 SCHEMA = {"type": "object", "properties": {"id": {"type": "integer"}, "tag": {"type": "string", "maxLength": 6}},
@@ -146,6 +146,15 @@ def test_bad_constraints_name_the_request():
     with pytest.raises(ValueError, match="token_bytes: 511 entries, expected one per token id of the model .512"):
         fg.Engine(fg.FullGraphRunner(toy_model(), sampling=True, structured=True, cudagraph=MODE, **LIMITS),
                   token_bytes=[b"a"] * 511)
+    assert not engine.has_unfinished()
+
+
+def test_an_llguidance_without_several_end_tokens_is_refused_by_name(monkeypatch):
+    from fullgraph.engine import structured
+    monkeypatch.setattr(structured.importlib.metadata, "version", lambda name: "1.6.1")
+    engine, _ = toy_engine()
+    with pytest.raises(ValueError, match=r"llguidance >= 1\.7 .*1\.6\.1 is installed"):
+        engine.add_request("r", [1], fg.SamplingParams(structured=fg.Structured(regex="a")))
     assert not engine.has_unfinished()
 
 

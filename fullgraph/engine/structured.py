@@ -12,11 +12,16 @@ grammar never matches them as text.
 """
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+
+_LLGUIDANCE_MIN = (1, 7)
 
 
 def _llguidance():
@@ -24,6 +29,10 @@ def _llguidance():
         import llguidance
     except ImportError:
         raise ValueError("structured output needs llguidance (pip install 'fullgraph[structured]')") from None
+    have = tuple(int(p) for p in re.findall(r"\d+", importlib.metadata.version("llguidance"))[:2])
+    if have < _LLGUIDANCE_MIN:  # older tokenizers take one end token; a model may have several
+        raise ValueError(f"structured output needs llguidance >= {'.'.join(map(str, _LLGUIDANCE_MIN))} "
+                         f"(several end-of-sequence tokens); {importlib.metadata.version('llguidance')} is installed")
     return llguidance
 
 
