@@ -132,6 +132,23 @@ def test_a_forced_form_serves_the_few_row_steps_and_computes_the_same(impl, epil
                                rtol=1e-5, atol=1e-4)
 
 
+def test_the_cublas_form_runs_the_layers_unfused_flow(monkeypatch):
+    """Within ``forced("cublas")`` steps of 2-32 rows leave the kernel path (``kernel_path``: the
+    layers' fused flow and the fused projections), so the candidate is the flow
+    ``FULLGRAPH_LINEAR=cublas`` runs, with the fused add + norm launches; one row keeps it, and the
+    split-K form and leaving ``forced`` give the layers' own limit back."""
+    from fullgraph.models import layers
+    monkeypatch.setattr(layers, "use_kernels", lambda x: True)   # as on CUDA
+    x = torch.randn(8, 16, dtype=torch.bfloat16)
+    assert layers.kernel_path(x, 32) and layers.kernel_path(x[:1], 32) and not layers.kernel_path(x, 4)
+    with linear_choice.forced("cublas"):
+        assert not layers.kernel_path(x, 32) and not layers.kernel_path(x[:2], 32)
+        assert layers.kernel_path(x[:1], 32)
+        with linear_choice.forced("skinny"):
+            assert layers.kernel_path(x, 32)
+    assert layers.kernel_path(x, 32)
+
+
 def test_forced_nests_restores_on_error_and_refuses_other_forms(monkeypatch):
     monkeypatch.setattr(fullgraph.env, "linear_impl", lambda: "auto")
     x = torch.randn(4, 8, device=DEVICE)

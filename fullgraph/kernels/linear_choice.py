@@ -16,8 +16,8 @@ Under the Triton interpreter (no CUDA) ``auto`` takes ours: the kernel under tes
 
 Measured, not assumed (``FULLGRAPH_LINEAR=timed``, opt-in until a GPU run has checked it): where
 the split-K kernel serves a step (2-32 rows), the runner captures that step's graph twice, once as
-:func:`forced` ``("cublas")`` (the product by cuBLAS, the norm, the activation and RoPE + KV write
-as kernels of their own), replays both and keeps the faster (``graphs.GraphSet.capture``; the
+:func:`forced` ``("cublas")`` (the layers' unfused flow: the products by cuBLAS, the add + norm and
+RoPE + the KV write as kernels of their own), replays both and keeps the faster (``graphs.GraphSet.capture``; the
 choice per captured size is in the capture report); otherwise ``timed`` is ``auto``. A linear timed
 alone would mislead: timed eagerly, back to back, launch overhead and a cache-resident weight
 decided it, and chose ours where it is twice as slow; a whole step's replay streams every weight
@@ -97,13 +97,25 @@ def capture_forms(key: tuple[int, bool], dtype: torch.dtype, kept: dict) -> list
     return [(impl, functools.partial(forced, impl)) for impl in ((decided,) if decided else TUNED)]
 
 
+def fused_rows(fuse_rows: int) -> int:
+    """The most rows the layers fuse around their linears now (``models.layers.kernel_path``):
+    ``fuse_rows``, theirs from construction, or 1 within :func:`forced` ``("cublas")``, whose steps
+    of 2-32 rows then run the layers' unfused flow (cuBLAS products, the fused add + norm launches,
+    RoPE in the KV write), the flow ``FULLGRAPH_LINEAR=cublas`` runs. Fused around a cuBLAS product
+    (:func:`unfused`), a layer runs two more launches (the residual added outside the add + norm
+    launch: ``addmm`` copies it into its output first): timed so, cuBLAS's llama-1b step of 32 rows
+    took 1.762 ms where the unfused flow replays in 1.664 (H100, 2026-12-07)."""
+    return 1 if _forced == "cublas" else fuse_rows
+
+
 @contextlib.contextmanager
 def forced(impl: str) -> Iterator[None]:
     """Within it, ``auto``'s (and ``timed``'s) steps of 2-32 rows take ``impl`` (one of
-    :data:`TUNED`) instead of the split-K kernel: the layers still fuse around the call (the norm on
-    load, the residual, RoPE + the KV write), which the cuBLAS form then runs as launches of its own
-    (:func:`unfused`). A graph captured within it runs that form ever after; the runner captures
-    the candidates this way."""
+    :data:`TUNED`) instead of the split-K kernel: with ``"cublas"`` the layers run their unfused flow
+    around it (:func:`fused_rows`); a direct call of the fused ops runs the norm, the activation and
+    the residual add as launches of their own (:func:`unfused`). A graph captured within it runs
+    that form ever after; the runner captures the candidates this way (under ``torch.compile``, one
+    more compile of the forward for the cuBLAS form)."""
     global _forced
     if impl not in TUNED:
         raise ValueError(f"linear_choice.forced: expected one of {TUNED}, got {impl!r}")

@@ -34,10 +34,10 @@ def kernel_path(x: torch.Tensor, fuse_rows: int) -> bool:
     """Whether ``x`` is a half-precision activation on CUDA whose projections run our kernels
     (``Linear.uses_kernel``) and whose layers fuse: one row (batch-1 decode, the one-row kernel), or
     2 to ``fuse_rows`` rows (:func:`fused_max_rows`: the split-K kernel, which fuses as the one-row
-    one does)."""
+    one does), unless a captured candidate form says otherwise (``kernels.linear_fused_rows``)."""
     if not (use_kernels(x) and x.dim() == 2 and x.stride(-1) == 1 and x.dtype in (torch.bfloat16, torch.float16)):
         return False
-    return x.shape[0] <= fuse_rows  # fuse_rows >= 1
+    return x.shape[0] <= kernels.linear_fused_rows(fuse_rows)  # >= 1
 
 
 def fused_max_rows() -> int:
