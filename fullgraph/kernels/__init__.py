@@ -19,6 +19,6 @@ from .rope_kv_write import rope_kv_write
 from .split_kv_reduce import num_kv_splits, split_kv_reduce, split_workspace_rows
 
 __all__ = ["KernelConfig", "add_layer_norm", "add_rms_norm", "default_config", "gegelu", "kv_write",
-           "layer_norm", "layer_norm_sums", "linear", "linear_fused_rows", "linear_max_rows", "linear_skinny_rows", "linear_no_limit",
-           "linear_rope_kv_write", "num_kv_splits", "paged_attention", "rms_norm", "rope", "rope_kv_write",
-           "silu_and_mul", "split_kv_reduce", "split_workspace_rows"]
+           "layer_norm", "layer_norm_sums", "linear", "linear_fused_rows", "linear_max_rows", "linear_skinny_rows",
+           "linear_no_limit", "linear_rope_kv_write", "num_kv_splits", "paged_attention", "rms_norm", "rope",
+           "rope_kv_write", "silu_and_mul", "split_kv_reduce", "split_workspace_rows"]
