@@ -28,6 +28,7 @@
 #   host-ab (the host stages of .base/ and this tree, alternating)
 #   stage-ab (the stage-in's event on a branch against in line, FULLGRAPH_STAGE_EVENT=inline: tests, decode rows)
 #   forms (linears of 2-32 rows timed at capture, split-K or cuBLAS kept, against each pinned: tests, decode rows)
+#   forms-loop (the overlapped loop's device timeline at 32 rows with FULLGRAPH_LINEAR=timed, cublas and auto)
 # Logs and JSON land in $OUT (or ./out); each part has its own time limit so a call stays bounded.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -399,6 +400,15 @@ forms)  # the linears of 2-32 rows timed at capture (FULLGRAPH_LINEAR=timed: eac
         for preset in ${FORMS_PRESETS:-llama-1b smollm2-135m}; do  # FORMS_PRESETS="...": fewer
             FULLGRAPH_LINEAR=$impl run "forms_${preset}_$impl" 90 python3 -m fullgraph.bench decode --preset $preset \
                 --batch 8 32 --context 1024 --modes full --steps 30 --loop sync overlap --out "$OUT/forms_${preset}_$impl.json"
+        done
+    done
+    ;;
+forms-loop)  # where the timed process's overlapped step loses 20-60 us against its replay (H100, 2026-12-07): the
+    # overlapped loop's device timeline (ops outside the graph, idle time) with FULLGRAPH_LINEAR=timed beside the pinned forms
+    for impl in timed cublas auto; do
+        for preset in llama-1b smollm2-135m; do
+            FULLGRAPH_LINEAR=$impl run "forms_loop_${preset}_$impl" 90 python3 benchmarks/profile_loop.py --preset $preset \
+                --batch 32 --loops logits --out "$OUT/forms_loop_${preset}_$impl.json"
         done
     done
     ;;
