@@ -152,6 +152,7 @@ def test_bad_constraints_name_the_request():
 def test_an_llguidance_without_several_end_tokens_is_refused_by_name(monkeypatch):
     from fullgraph.engine import structured
     monkeypatch.setattr(structured.importlib.metadata, "version", lambda name: "1.6.1")
+    structured._llguidance.cache_clear()   # checked once a process: check again under the patch
     engine, _ = toy_engine()
     with pytest.raises(ValueError, match=r"llguidance >= 1\.7 .*1\.6\.1 is installed"):
         engine.add_request("r", [1], fg.SamplingParams(structured=fg.Structured(regex="a")))

@@ -12,6 +12,7 @@ grammar never matches them as text.
 """
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import json
 import re
@@ -21,18 +22,17 @@ from dataclasses import dataclass
 import numpy as np
 
 
-_LLGUIDANCE_MIN = (1, 7)
-
-
+@functools.cache
 def _llguidance():
+    """The llguidance module, checked once (a version lookup reads the installed metadata: ~0.2 ms)."""
     try:
         import llguidance
     except ImportError:
         raise ValueError("structured output needs llguidance (pip install 'fullgraph[structured]')") from None
-    have = tuple(int(p) for p in re.findall(r"\d+", importlib.metadata.version("llguidance"))[:2])
-    if have < _LLGUIDANCE_MIN:  # older tokenizers take one end token; a model may have several
-        raise ValueError(f"structured output needs llguidance >= {'.'.join(map(str, _LLGUIDANCE_MIN))} "
-                         f"(several end-of-sequence tokens); {importlib.metadata.version('llguidance')} is installed")
+    version = importlib.metadata.version("llguidance")
+    if tuple(int(p) for p in re.findall(r"\d+", version)[:2]) < (1, 7):  # older ones take a single end token
+        raise ValueError(f"structured output needs llguidance >= 1.7 (several end-of-sequence tokens); "
+                         f"{version} is installed")
     return llguidance
 
 
