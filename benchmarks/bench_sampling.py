@@ -87,7 +87,7 @@ def print_zones(gen: torch.Generator, batch: int = 64) -> None:
 
 def print_passes(gen: torch.Generator, batch: int = 32) -> None:
     """Microseconds of each of the kernel's launches, replayed alone as a CUDA graph."""
-    names = ("_scan_kernel", "_hist_kernel", "_compact_kernel", "_select_kernel")
+    names = ("_scan_kernel", "_hist_kernel", "_tail_kernel", "_select_kernel")
     for kind in ("peaked", "flat"):
         x = make_logits(kind, batch, gen)
         for name, setting in SETTINGS.items():
@@ -100,12 +100,12 @@ def print_passes(gen: torch.Generator, batch: int = 32) -> None:
             finally:
                 for n in names:
                     setattr(kernel, n, saved[n])
-            # Replayed alone, a histogram pass keeps adding to the counts and resets the zones:
-            # time select and compact first, then the scan, then the histogram levels.
-            order = [4, 3, 0, 1, 2]                      # calls: scan, hist 1, hist 2, compact, select
+            # Replayed alone, a histogram pass keeps adding to the counts and the scan resets the
+            # zones: time select and the tail (level 2 + compact) first, then the scan, then level 1.
+            order = [3, 2, 0, 1]                         # calls: scan, level 1, tail, select
             us = {i: time_calls(lambda _: calls[i][1](), [None], reps=10) for i in order}
-            labels = ("scan", "hist1", "hist2", "compact", "select")
-            print(f"passes {kind:7s} {name:22s} " + "  ".join(f"{labels[i]} {us[i]:6.1f}" for i in range(5)) + " us",
+            labels = ("scan", "hist1", "tail", "select")
+            print(f"passes {kind:7s} {name:22s} " + "  ".join(f"{labels[i]} {us[i]:6.1f}" for i in range(4)) + " us",
                   flush=True)
 
 

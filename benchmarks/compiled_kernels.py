@@ -125,7 +125,7 @@ def _cases(rec: Recorder) -> None:
     sampling = importlib.import_module("fullgraph.kernels.sampling")
     for kernel in (linear._linear_kernel, rope_kv._linear_rope_kv_kernel, skinny._skinny_kernel,
                    skinny._skinny_rope_kv_kernel, attention._paged_attention_kernel, reduce._split_kv_reduce_kernel,
-                   sampling._scan_kernel, sampling._hist_kernel, sampling._compact_kernel, sampling._select_kernel):
+                   sampling._scan_kernel, sampling._hist_kernel, sampling._tail_kernel, sampling._select_kernel):
         rec.watch(kernel)
 
     def qkv_args(rows: int) -> dict:

@@ -34,7 +34,7 @@ KINDS = (
     ("rope + KV write", r"rope|kv_write"),
     ("norm", r"_norm_kernel|norm"),
     ("activation", r"_gated_kernel|silu|gelu"),
-    ("sampling + output", r"_select_kernel|_scan_kernel|_max_kernel|_hist_kernel|_compact_kernel|argmax|topk|sort|softmax|"
+    ("sampling + output", r"_select_kernel|_scan_kernel|_max_kernel|_hist_kernel|_tail_kernel|argmax|topk|sort|softmax|"
                           r"distribution|exponential|multinomial"),
     ("linear", r"_linear_kernel|_norm_linear_kernel|gemm|gemv|nvjet|cutlass|xmma|splitK|splitk|matmul|sm90"),
     ("copy / fill", r"Memcpy|Memset|copy|fill|index|gather|scatter|elementwise|reduce_kernel|cat"),

@@ -515,6 +515,39 @@ def test_cuda_graph_replay_matches_eager():
 
 
 @gpu
+@pytest.mark.parametrize("rows,vocab,knobs", [
+    (96, 128_256, {}),                                          # the launch shape of 64+ rows: more programs than fit
+    (32, 128_256, {}),
+    (40, 32_000, dict(refine_above=8)),                         # level 2 in most filtered rows
+    (40, 32_000, dict(cand_block=16)),                          # chain and top-k rows falling back
+])
+def test_fused_tail_matches_split_launches(rows, vocab, knobs):
+    """Passes 3 and 4 in one launch, their programs meeting at a per-row barrier (the GPU's default),
+    pick the same tokens and leave the same zones as the two launches the interpreter runs (which
+    the CPU tests check against the reference), over every kind of row, fresh logits each round."""
+    for seed in range(3):
+        logits, params = random_batch(rows, vocab, seed=100 + seed)
+        logits, params = logits.cuda(), {k: v.cuda() for k, v in params.items()}
+        ws_fused: dict = {}
+        ws_split: dict = {}
+        fused = run_kernel(logits, params, fuse_tail=True, workspace=ws_fused, **knobs)
+        split = run_kernel(logits, params, fuse_tail=False, workspace=ws_split, **knobs)
+        assert fused.tolist() == split.tolist()
+        assert torch.equal(ws_fused["zones"][:, :12], ws_split["zones"][:, :12])
+        fell_back = int((ws_split["zones"][:, 8] == 2).sum())
+        if knobs:
+            assert fell_back or int((ws_split["zones"][:, 2] > 0).sum()), "no row reached level 2"
+
+
+def test_fused_tail_refused_under_the_interpreter():
+    if not kernel.INTERPRET:
+        pytest.skip("only under TRITON_INTERPRET (the CPU tests)")
+    logits, params = random_batch(2, 300, seed=0)
+    with pytest.raises(ValueError, match="fuse_tail=True needs a GPU"):
+        run_kernel(logits, params, fuse_tail=True)
+
+
+@gpu
 @pytest.mark.parametrize("vocab", [32_000, 128_256])
 def test_kernel_matches_reference_on_gpu(vocab):
     """Same tokens up to float ties: GPU exp/log differ from PyTorch's in the last bit."""

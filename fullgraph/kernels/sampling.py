@@ -5,7 +5,8 @@ Semantics, tie rules and RNG are exactly ``fullgraph.sampling.sample_reference``
 ``exp(s - s_max) >= min_p``; the token is the Gumbel-max ``argmax(s + g)`` over the kept set, with
 Philox4x32-10 noise keyed on the seed, counter ``(v >> 2, offset lo, offset hi, 0)``, lane ``v & 3``.
 
-Algorithm: rows are split into C chunks; passes of (R, C) programs, then one of R programs. Rows
+Algorithm: rows are split into C chunks; five passes in four launches: three of (R, C) programs
+(passes 3 and 4 share one, ``_tail_kernel``), then one of R programs. Rows
 with top-p alone or no filter ("chain rows") are decided in the first two (``sampling_chain``);
 rows with a top-k up to TOP_VALUES x C ("top-k rows", with or without top-p and min-p) list their
 candidates in the first two for pass 5 (``sampling_topk``); the other filtered rows (min-p, a
@@ -23,11 +24,12 @@ larger top-k) and rows of either kind that fall back take the histogram path.
    ``< b_hi`` are kept by top-k and top-p for certain, buckets ``> b_lo`` dropped for certain (exact
    counts for top-k; for top-p the bounds ``exp(-(b+1)/BPN) <= e < exp(-b/BPN)`` on each token's
    mass; ``-log(min_p)`` for min-p).
-3. ``_hist_kernel`` level 2 (rows whose undecided zone holds > REFINE_ABOVE tokens): the same over
+3. ``_tail_kernel``, level 2 (rows whose undecided zone holds > REFINE_ABOVE tokens): the same over
    that zone split ``sub`` times finer (a power of two, so bucket edges stay exact), on top of the
    exact count and mass of the tokens above it. Positions ("pos") are level-2 buckets for such rows.
    Chain rows that fell back run level 1 here (and no level 2: pass 5 narrows a wide zone itself).
-4. ``_compact_kernel`` (rows on the histogram path): sums the exact mass of the surely-kept zone,
+4. ``_tail_kernel``, compacting (rows on the histogram path; where the row had level-2 work, after a
+   barrier of the row's programs, so that its zones are in): sums the exact mass of the surely-kept zone,
    takes the Gumbel winner among its
    min-p survivors (noise only for blocks that hold one), and writes the ids of the undecided tokens
    (``b_hi <= pos <= b_lo``) to the chunk's segment of ``cand``.
@@ -151,11 +153,24 @@ def _hist_kernel(
         list_f_ptr, list_i_ptr, chain_f_ptr, values_ptr, part_i_ptr, cand_ptr,
         vocab, chunk, num_chunks, refine_above, cand_block,                                      # sizes
         stride_l,                                                                                # strides
-        NB: tl.constexpr, BPN: tl.constexpr, BLOCK: tl.constexpr, C_PAD: tl.constexpr, LEVEL: tl.constexpr,
+        NB: tl.constexpr, BPN: tl.constexpr, BLOCK: tl.constexpr, C_PAD: tl.constexpr,
         T: tl.constexpr, J: tl.constexpr, TK: tl.constexpr, USE_PDL: tl.constexpr):
+    """Pass 2: level 1 (the chain's check, the top-k list, the histogram path's first histogram)."""
     pdl.wait(USE_PDL)
     pdl.start_dependents(USE_PDL)
-    row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    _hist_phase(logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, part_f_ptr, hist_ptr, zones_ptr, list_f_ptr,
+                list_i_ptr, chain_f_ptr, values_ptr, part_i_ptr, cand_ptr, tl.program_id(0).to(tl.int64),
+                tl.program_id(1), vocab, chunk, num_chunks, refine_above, cand_block, stride_l, NB, BPN, BLOCK, C_PAD,
+                1, T, J, TK)
+
+
+@triton.jit
+def _hist_phase(logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, part_f_ptr, hist_ptr, zones_ptr, list_f_ptr,
+                list_i_ptr, chain_f_ptr, values_ptr, part_i_ptr, cand_ptr, row, c, vocab, chunk, num_chunks,
+                refine_above, cand_block, stride_l, NB: tl.constexpr, BPN: tl.constexpr, BLOCK: tl.constexpr,
+                C_PAD: tl.constexpr, LEVEL: tl.constexpr, T: tl.constexpr, J: tl.constexpr, TK: tl.constexpr):
+    """Program (row, c)'s share of a histogram level; returns whether the row had histogram work
+    (the same in every program of the row)."""
     t, top_k, top_p, min_p = tl.load(temp_ptr + row), tl.load(top_k_ptr + row), tl.load(top_p_ptr + row), \
         tl.load(min_p_ptr + row)
     zrow = zones_ptr + row * ZONES_W
@@ -213,25 +228,66 @@ def _hist_kernel(
                 _level_zones(hist_ptr + row * NB, zrow, part_f_ptr, row, num_chunks, top_k, top_p, min_p, vocab,
                              refine_above, 2, NB, BPN, C_PAD)
             tl.store(zrow + 7, 0)
+    return go
+
+
+BARRIER = tl.constexpr(12)   # zones column: the tail launch's arrivals at its per-row barrier
+
+
+@triton.jit
+def _row_barrier(counter, num_chunks):
+    """Wait until every program of the row has arrived: a generation barrier (the count only grows;
+    the scan pass zeroes it every call), so a replay of the launch alone also pairs up. Every
+    program of the row must be resident at once: the tail's grid is (chunk, row), rows in launch
+    order, and a row's programs are far fewer than an SM count's worth of programs."""
+    tl.debug_barrier()                               # the program's writes (every thread's) before it arrives
+    n = tl.atomic_add(counter, 1, sem="acq_rel") + 1
+    target = ((n - 1) // num_chunks + 1) * num_chunks
+    while n < target:
+        n = tl.atomic_add(counter, 0, sem="acquire")
 
 
 @compile_ahead.kernel
 @triton.jit
-def _compact_kernel(
+def _tail_kernel(
         logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, offset_ptr,   # pointers
-        part_f_ptr, part_i_ptr, zones_ptr, cand_ptr,
-        vocab, chunk, num_chunks, seg_cap,                                             # sizes
+        part_f_ptr, part_i_ptr, hist_ptr, zones_ptr, list_f_ptr, list_i_ptr, chain_f_ptr, values_ptr, cand_ptr,
+        vocab, chunk, num_chunks, refine_above, cand_block,                            # sizes
         stride_l,                                                                      # strides
-        NB: tl.constexpr, BPN: tl.constexpr, BLOCK: tl.constexpr, C_PAD: tl.constexpr,
-        USE_PDL: tl.constexpr):
+        NB: tl.constexpr, BPN: tl.constexpr, BLOCK: tl.constexpr, C_PAD: tl.constexpr, T: tl.constexpr,
+        J: tl.constexpr, TK: tl.constexpr, PHASE: tl.constexpr, USE_PDL: tl.constexpr):
+    """Passes 3 and 4 in one launch (PHASE 0): level 2, then, in rows that had level-2 work, a
+    barrier of the row's programs, then the compacting pass. Rows that need neither (the chain's
+    and the top-k list's, greedy ones) leave at once: one launch with nothing to do where there
+    were two. PHASE 2 or 3 runs one of them alone (two launches: the interpreter runs one program
+    after another, so no program may wait for another)."""
     pdl.wait(USE_PDL)
     pdl.start_dependents(USE_PDL)
-    row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    c, row = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    if PHASE != 3:
+        go = _hist_phase(logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, part_f_ptr, hist_ptr, zones_ptr,
+                         list_f_ptr, list_i_ptr, chain_f_ptr, values_ptr, part_i_ptr, cand_ptr, row, c, vocab, chunk,
+                         num_chunks, refine_above, cand_block, stride_l, NB, BPN, BLOCK, C_PAD, 2, T, J, TK)
+        if PHASE == 0:
+            if go:                                   # the row's zones, from its last program, before compacting
+                _row_barrier(zones_ptr + row * ZONES_W + BARRIER, num_chunks)
+    if PHASE != 2:
+        _compact_phase(logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, offset_ptr, part_f_ptr,
+                       part_i_ptr, zones_ptr, cand_ptr, row, c, vocab, chunk, num_chunks, chunk, stride_l, NB, BPN,
+                       BLOCK, C_PAD)
+
+
+@triton.jit
+def _compact_phase(logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, offset_ptr, part_f_ptr,
+                   part_i_ptr, zones_ptr, cand_ptr, row, c, vocab, chunk, num_chunks, seg_cap, stride_l,
+                   NB: tl.constexpr, BPN: tl.constexpr, BLOCK: tl.constexpr, C_PAD: tl.constexpr):
+    """Program (row, c)'s share of the compacting pass. The zones may come from this launch's level
+    2 (another program's writes, after the row's barrier): read from L2 (``.cg``)."""
     t, top_k, top_p = tl.load(temp_ptr + row), tl.load(top_k_ptr + row), tl.load(top_p_ptr + row)
     inv_t = tl.math.div_rn(1.0, tl.where(t > 0, t, 1.0))
     zrow = zones_ptr + row * ZONES_W
     s_max = tl.full([], NEG_INF, tl.float32)
-    state = tl.load(zrow + STATE)
+    state = tl.load(zrow + STATE, cache_modifier=".cg")
     if (t > 0) & (state != 1) & (state != LISTED):     # not decided by the chain, nor listed for top-k
         s_max = _row_max(part_f_ptr, row, num_chunks, C_PAD) * inv_t
     if s_max > NEG_INF:
@@ -239,8 +295,9 @@ def _compact_kernel(
         zero = tl.zeros([], tl.int32)                               # no top-k / top-p: min-p alone
         b_hi1, b_lo1, sub, b_hi, b_lo = zero, zero, zero, zero + NB, _min_p_bucket(min_p, 0.0, BPN, NB)
         if ((top_k > 0) & (top_k < vocab)) | (top_p < 1.0):
-            b_hi1, b_lo1, sub = tl.load(zrow), tl.load(zrow + 1), tl.load(zrow + 2)
-            b_hi, b_lo = tl.load(zrow + 3), tl.load(zrow + 4)
+            b_hi1, b_lo1, sub = tl.load(zrow, cache_modifier=".cg"), tl.load(zrow + 1, cache_modifier=".cg"), \
+                tl.load(zrow + 2, cache_modifier=".cg")
+            b_hi, b_lo = tl.load(zrow + 3, cache_modifier=".cg"), tl.load(zrow + 4, cache_modifier=".cg")
         # reduced a step at a time: per-lane accumulators here took the kernel from 82 to 114
         # registers a thread (sm_90, 1024-token steps; 127 -> 229 at 4096), fewer programs an SM
         mass_hi = tl.zeros([], tl.float32)
@@ -305,12 +362,18 @@ def _launch_shape(rows: int, device: torch.device) -> tuple[int, int]:
 def launch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
            min_p: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor, *, block: int | None = None,
            num_chunks: int | None = None, cand_block: int = CAND_BLOCK, refine_above: int = REFINE_ABOVE,
-           list_top: int = LIST_TOP, chain: int = CHAIN, workspace: dict | None = None) -> torch.Tensor:
+           list_top: int = LIST_TOP, chain: int = CHAIN, fuse_tail: bool | None = None,
+           workspace: dict | None = None) -> torch.Tensor:
     """Launch the passes; ``block``, ``num_chunks``, ``cand_block``, ``refine_above``, ``list_top``
     and ``chain`` (1, 2 or 4) are tuning knobs (tests shrink them to reach every path on small
-    vocabularies; None: ``_launch_shape``); a ``workspace`` dict receives the intermediate tensors
-    (``zones``: see ``_level_zones`` and ``sampling_chain``).
+    vocabularies; None: ``_launch_shape``); ``fuse_tail`` runs passes 3 and 4 in one launch (None:
+    everywhere but under the interpreter, which cannot); a ``workspace`` dict receives the
+    intermediate tensors (``zones``: see ``_level_zones`` and ``sampling_chain``).
     Capture-safe: the launch shape depends on the row count only."""
+    if fuse_tail and INTERPRET:
+        raise ValueError("fuse_tail=True needs a GPU: under TRITON_INTERPRET programs run one after another, "
+                         "and the fused launch's programs wait for each other")
+    fuse_tail = not INTERPRET if fuse_tail is None else fuse_tail
     rows, vocab = logits.shape
     out = compile_ahead.output(rows, torch.int64, logits.device)
     if rows == 0:
@@ -347,13 +410,13 @@ def launch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                             FAST=not INTERPRET, num_warps=warps, **meta)
     meta.update(BPN=BUCKETS_PER_NAT, C_PAD=c_pad)
     params = (temperature, top_k, top_p, min_p, seeds, offsets)
-    for level in (1, 2):
-        _hist_kernel[(rows, c)](logits, temperature, top_k, top_p, min_p, part_f, hist, zones, list_f, list_i,
-                                chain_f, values, part_i, cand, vocab, chunk, c, refine_above, cand_block,
-                                logits.stride(0), LEVEL=level, T=list_top, J=chain, TK=TOP_VALUES, num_warps=warps,
-                                **meta)
-    _compact_kernel[(rows, c)](logits, *params, part_f, part_i, zones, cand, vocab, chunk, c, chunk,
-                               logits.stride(0), num_warps=warps, **meta)
+    _hist_kernel[(rows, c)](logits, temperature, top_k, top_p, min_p, part_f, hist, zones, list_f, list_i, chain_f,
+                            values, part_i, cand, vocab, chunk, c, refine_above, cand_block, logits.stride(0),
+                            T=list_top, J=chain, TK=TOP_VALUES, num_warps=warps, **meta)
+    for phase in ((0,) if fuse_tail else (2, 3)):
+        _tail_kernel[(c, rows)](logits, *params, part_f, part_i, hist, zones, list_f, list_i, chain_f, values, cand,
+                                vocab, chunk, c, refine_above, cand_block, logits.stride(0), T=list_top, J=chain,
+                                TK=TOP_VALUES, PHASE=phase, num_warps=warps, **meta)
     _select_kernel[(rows,)](logits, *params, part_f, part_i, zones, cand, scratch, out, vocab, c, chunk,
                             logits.stride(0), CB=cand_block, CB_SMALL=max(16, min(CAND_SMALL, cand_block // 4)),
                             RB=REFINE_BUCKETS, LB=LIST_BLOCK, C_BITS=c_pad.bit_length() - 1,
