@@ -149,7 +149,7 @@ def _level_zones(hist_row, zrow, part_f_ptr, row, num_chunks, top_k, top_p, min_
 @compile_ahead.kernel
 @triton.jit
 def _hist_kernel(
-        logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, part_f_ptr, hist_ptr, zones_ptr,  # pointers
+        logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, offset_ptr, part_f_ptr, hist_ptr, zones_ptr,
         list_f_ptr, list_i_ptr, chain_f_ptr, values_ptr, part_i_ptr, cand_ptr,
         vocab, chunk, num_chunks, refine_above, cand_block,                                      # sizes
         stride_l,                                                                                # strides
@@ -158,15 +158,15 @@ def _hist_kernel(
     """Pass 2: level 1 (the chain's check, the top-k list, the histogram path's first histogram)."""
     pdl.wait(USE_PDL)
     pdl.start_dependents(USE_PDL)
-    _hist_phase(logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, part_f_ptr, hist_ptr, zones_ptr, list_f_ptr,
-                list_i_ptr, chain_f_ptr, values_ptr, part_i_ptr, cand_ptr, tl.program_id(0).to(tl.int64),
+    _hist_phase(logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, offset_ptr, part_f_ptr, hist_ptr,
+                zones_ptr, list_f_ptr, list_i_ptr, chain_f_ptr, values_ptr, part_i_ptr, cand_ptr, tl.program_id(0).to(tl.int64),
                 tl.program_id(1), vocab, chunk, num_chunks, refine_above, cand_block, stride_l, NB, BPN, BLOCK, C_PAD,
                 1, T, J, TK)
 
 
 @triton.jit
-def _hist_phase(logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, part_f_ptr, hist_ptr, zones_ptr, list_f_ptr,
-                list_i_ptr, chain_f_ptr, values_ptr, part_i_ptr, cand_ptr, row, c, vocab, chunk, num_chunks,
+def _hist_phase(logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, offset_ptr, part_f_ptr, hist_ptr,
+                zones_ptr, list_f_ptr, list_i_ptr, chain_f_ptr, values_ptr, part_i_ptr, cand_ptr, row, c, vocab, chunk, num_chunks,
                 refine_above, cand_block, stride_l, NB: tl.constexpr, BPN: tl.constexpr, BLOCK: tl.constexpr,
                 C_PAD: tl.constexpr, LEVEL: tl.constexpr, T: tl.constexpr, J: tl.constexpr, TK: tl.constexpr):
     """Program (row, c)'s share of a histogram level; returns whether the row had histogram work
@@ -198,7 +198,8 @@ def _hist_phase(logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, part_f_pt
                              vocab, inv_t, top_p, BLOCK, J, T, C_PAD)
             if topk & (s_max > NEG_INF):
                 _list_topk(x_row, values_ptr, part_f_ptr, part_i_ptr, cand_ptr, zrow, row, c, chunk, num_chunks,
-                           vocab, inv_t, top_k, cand_block, BLOCK, TK, C_PAD)
+                           vocab, inv_t, s_max, top_k, top_p, min_p, tl.load(seed_ptr + row), tl.load(offset_ptr + row),
+                           cand_block, BLOCK, TK, C_PAD)
             go = go & ~chain & ~topk
         else:                                        # rows whose level-1 zone was too wide, and chain
             first = chain | topk                     # or top-k rows that fell back (their level 1 runs here)
@@ -265,8 +266,8 @@ def _tail_kernel(
     pdl.start_dependents(USE_PDL)
     c, row = tl.program_id(0), tl.program_id(1).to(tl.int64)
     if PHASE != 3:
-        go = _hist_phase(logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, part_f_ptr, hist_ptr, zones_ptr,
-                         list_f_ptr, list_i_ptr, chain_f_ptr, values_ptr, part_i_ptr, cand_ptr, row, c, vocab, chunk,
+        go = _hist_phase(logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, offset_ptr, part_f_ptr,
+                         hist_ptr, zones_ptr, list_f_ptr, list_i_ptr, chain_f_ptr, values_ptr, part_i_ptr, cand_ptr, row, c, vocab, chunk,
                          num_chunks, refine_above, cand_block, stride_l, NB, BPN, BLOCK, C_PAD, 2, T, J, TK)
         if PHASE == 0:
             if go:                                   # the row's zones, from its last program, before compacting
@@ -410,9 +411,8 @@ def launch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                             FAST=not INTERPRET, num_warps=warps, **meta)
     meta.update(BPN=BUCKETS_PER_NAT, C_PAD=c_pad)
     params = (temperature, top_k, top_p, min_p, seeds, offsets)
-    _hist_kernel[(rows, c)](logits, temperature, top_k, top_p, min_p, part_f, hist, zones, list_f, list_i, chain_f,
-                            values, part_i, cand, vocab, chunk, c, refine_above, cand_block, logits.stride(0),
-                            T=list_top, J=chain, TK=TOP_VALUES, num_warps=warps, **meta)
+    _hist_kernel[(rows, c)](logits, *params, part_f, hist, zones, list_f, list_i, chain_f, values, part_i, cand,
+                            vocab, chunk, c, refine_above, cand_block, logits.stride(0), T=list_top, J=chain, TK=TOP_VALUES, num_warps=warps, **meta)
     for phase in ((0,) if fuse_tail else (2, 3)):
         _tail_kernel[(c, rows)](logits, *params, part_f, part_i, hist, zones, list_f, list_i, chain_f, values, cand,
                                 vocab, chunk, c, refine_above, cand_block, logits.stride(0), T=list_top, J=chain,

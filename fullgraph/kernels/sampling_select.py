@@ -220,8 +220,9 @@ def _small_list_ids(ends, cand_ptr, row, num_chunks, seg_cap, N: tl.constexpr):
     before = ends[None, :] <= p[:, None]                       # (N, C_PAD): segments ending at or before p
     seg = tl.sum(before.to(tl.int32), 1)
     base = tl.max(tl.where(before, ends[None, :], 0), 1)
-    ok = p < tl.max(ends, 0)
-    return tl.load(cand_ptr + (row * num_chunks + seg) * seg_cap + p - base, mask=ok, other=0), ok
+    ok = p < tl.max(ends, 0)          # (.cg: the level-1 launch's last program reads its siblings' lists)
+    return tl.load(cand_ptr + (row * num_chunks + seg) * seg_cap + p - base, mask=ok, other=0,
+                   cache_modifier=".cg"), ok
 
 
 @triton.jit

@@ -17,7 +17,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .sampling_common import INT_MAX, NEG_INF, _finite_or_neg_inf, _max_and_first, _raw, _track_max
+from .sampling_chain import STATE, TOKEN
+from .sampling_common import INT_MAX, NEG_INF, THRESHOLDS, _finite_or_neg_inf, _max_and_first, _raw, _track_max
+from .sampling_select import CB_SORT, _sorted
 
 TOP_VALUES = 8   # values a chunk lists (k up to TOP_VALUES * chunks takes this path)
 LISTED = tl.constexpr(3)   # zones STATE of a row whose candidates are listed (see sampling_chain.STATE)
@@ -56,9 +58,12 @@ def _scan_values(x_row, row_part, values, c, chunk, vocab, inv_t, BLOCK: tl.cons
 
 @triton.jit
 def _list_topk(x_row, values_ptr, part_f_ptr, part_i_ptr, cand_ptr, zrow, row, c, chunk, num_chunks, vocab, inv_t,
-               top_k, cand_block, BLOCK: tl.constexpr, TK: tl.constexpr, C_PAD: tl.constexpr):
+               s_max, top_k, top_p, min_p, seed, offset, cand_block, BLOCK: tl.constexpr, TK: tl.constexpr,
+               C_PAD: tl.constexpr):
     """Level-1 work of a top-k row: the chunk's tokens with ``s >= L`` into its ``cand`` segment (the
-    select pass's list, nothing surely kept above it); the row's last program checks the list fits."""
+    select pass's list, nothing surely kept above it). The row's last program checks the list fits
+    and, if it is short (a top-k of 50's), takes the row's token from it as the select pass would
+    (``_sorted``): the row is then decided (STATE 1), and the select pass only reads the token."""
     e = tl.arange(0, C_PAD * TK)
     listed = tl.sort(tl.load(values_ptr + row * num_chunks * TK + e, mask=e < num_chunks * TK, other=NEG_INF),
                      descending=True)
@@ -83,9 +88,21 @@ def _list_topk(x_row, values_ptr, part_f_ptr, part_i_ptr, cand_ptr, zrow, row, c
     tl.store(part_f_ptr + slot * 4 + 3, NEG_INF)           # ... nor winner above the list
     tl.store(part_i_ptr + slot * 3 + 1, INT_MAX)
     tl.store(part_i_ptr + slot * 3 + 2, n)
-    if tl.atomic_add(zrow + 7, 1) == num_chunks - 1:      # acq_rel: the others' counts are in
+    if tl.atomic_add(zrow + 7, 1) == num_chunks - 1:      # acq_rel: the others' counts and lists are in
         cs = tl.arange(0, C_PAD)
-        total = tl.sum(tl.load(part_i_ptr + (row * num_chunks + cs) * 3 + 2, mask=cs < num_chunks, other=0,
-                               cache_modifier=".cg"), 0)
-        tl.store(zrow + 8, tl.where(total <= cand_block, LISTED, 2))
+        counts = tl.load(part_i_ptr + (row * num_chunks + cs) * 3 + 2, mask=cs < num_chunks, other=0,
+                         cache_modifier=".cg")
+        total = tl.sum(counts, 0)
+        state = tl.where(total <= cand_block, LISTED, 2)
+        if (total <= CB_SORT) & (total <= cand_block):
+            zero_f = tl.zeros([], tl.float32)         # Z, tokens and mass above the list: none
+            v_k, v_p, m, m_id = _sorted(x_row, tl.cumsum(counts, 0), cand_ptr, row, num_chunks, chunk, vocab, inv_t,
+                                        s_max, zero_f, zero_f.to(tl.int32), zero_f, top_k, top_p, min_p, seed,
+                                        offset, CB_SORT)
+            if m > NEG_INF:                              # (the row's max is listed and kept: always)
+                tl.store(zrow + TOKEN, m_id)
+                tl.store(zrow + THRESHOLDS, v_k.to(tl.int32, bitcast=True))
+                tl.store(zrow + THRESHOLDS + 1, v_p.to(tl.int32, bitcast=True))
+                state = 1
+        tl.store(zrow + STATE, state)
         tl.store(zrow + 7, 0)
