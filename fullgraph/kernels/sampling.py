@@ -16,8 +16,9 @@ larger top-k) and rows of either kind that fall back take the histogram path.
    best Gumbel scores and a bound of the rest; top-k rows a few of the chunk's largest values.
 2. ``_hist_kernel`` level 1. Chain rows: Z and the masses above the chain's first links; the row's
    last program decides the token or sends the row to the histogram path (from launch 3). Top-k
-   rows: the ids of the tokens at or above the k-th largest listed value, as pass 5's list.
-   Rows on the histogram path: each token's ``d = s_max - s`` falls
+   rows: the ids of the tokens at or above the k-th largest listed value, as pass 5's list; where
+   that list is short (<= CB_SORT tokens), the row's last program takes the token from it as pass 5
+   would (the sort below) and the row is decided. Rows on the histogram path: each token's ``d = s_max - s`` falls
    in bucket ``floor(d * BPN)`` of 1/BPN nat (the last also takes d >= (NB - 1) / BPN, -inf and
    lanes past V): a count histogram per row (``tl.histogram``, one atomic add per program) and
    ``Z = sum exp(s - s_max)``. The row's last program to finish derives the zones: buckets
@@ -33,7 +34,7 @@ larger top-k) and rows of either kind that fall back take the histogram path.
    takes the Gumbel winner among its
    min-p survivors (noise only for blocks that hold one), and writes the ids of the undecided tokens
    (``b_hi <= pos <= b_lo``) to the chunk's segment of ``cand``.
-5. ``_select_kernel``: the chain's token where it decided; otherwise exact ``v_k`` and ``v_p`` over
+5. ``_select_kernel``: the token where level 1 decided (the chain, a short top-k list); otherwise exact ``v_k`` and ``v_p`` over
    the undecided (or top-k-listed) tokens by a search on the
    order-preserving int32 key of s (counts, then masses, on top of the surely-kept zone's), the
    winner among the kept ones against the surely-kept winner; greedy rows take pass 1's argmax.
