@@ -81,8 +81,9 @@ def print_zones(gen: torch.Generator, batch: int = 64) -> None:
             n = ws["part_i"][..., 2].sum(-1).float().cpu() if setting[0] > 0 else torch.zeros(batch)
             state = ws["zones"][:, 8].cpu()
             print(f"zones {kind:7s} {name:22s} undecided median {n.median():7.0f} max {n.max():7.0f} "
-                  f"rows over {kernel.CAND_BLOCK}: {int((n > kernel.CAND_BLOCK).sum())}/{batch}; chain rows "
-                  f"decided {int((state == 1).sum())}, fallen back {int((state == 2).sum())}")
+                  f"rows over {kernel.CAND_BLOCK}: {int((n > kernel.CAND_BLOCK).sum())}/{batch}; rows decided "
+                  f"in level 1 (the chain, short top-k lists) {int((state == 1).sum())}, fallen back to the histograms "
+                  f"{int((state == 2).sum())}")
 
 
 def print_passes(gen: torch.Generator, batch: int = 32) -> None:

@@ -59,6 +59,9 @@ histogram path: level-1 histogram 24, level-2 28, compact 30-56 us); with it 32 
 check 12.5, three passes with nothing to do 1.3-2.2 us each). Top-k 50 + top-p 0.95: 69 / 116 us on
 the histogram path, 44-45 / 57-58 with the top-k list (scan 8.7, listing 15.3, select 14.8); on an
 H100 40.6 / 62.5 before the sorted short lists, 31.7 / 51.6 with them (select 15.3 -> 6.3 us).
+Passes 3 and 4 in one launch and short top-k lists decided in level 1 (H100): top-p 0.9 30.5 /
+46.3 -> 27.8 / 42.8 us, top-k 50 + top-p 0.95 31.5 / 51.2 -> 28.1 / 47.1 at batch 32 / 64; the
+tail launch with nothing to do costs 1.6-1.8 us.
 
 Layout contract:
     logits:        (R, V) float32/bf16/fp16, ``stride(-1) == 1``
