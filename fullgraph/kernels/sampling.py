@@ -18,8 +18,8 @@ larger top-k) and rows of either kind that fall back take the histogram path.
    last program decides the token or sends the row to the histogram path (from launch 3). Top-k
    rows: the ids of the tokens at or above the k-th largest listed value, as pass 5's list; where
    that list is short (<= CB_SORT tokens), the row's last program takes the token from it as pass 5
-   would (the sort below) and the row is decided. Rows on the histogram path: each token's ``d = s_max - s`` falls
-   in bucket ``floor(d * BPN)`` of 1/BPN nat (the last also takes d >= (NB - 1) / BPN, -inf and
+   would (the sort below) and the row is decided. Rows on the histogram path: each token's
+   ``d = s_max - s`` falls in bucket ``floor(d * BPN)`` of 1/BPN nat (the last also takes d >= (NB - 1) / BPN, -inf and
    lanes past V): a count histogram per row (``tl.histogram``, one atomic add per program) and
    ``Z = sum exp(s - s_max)``. The row's last program to finish derives the zones: buckets
    ``< b_hi`` are kept by top-k and top-p for certain, buckets ``> b_lo`` dropped for certain (exact
@@ -30,12 +30,12 @@ larger top-k) and rows of either kind that fall back take the histogram path.
    exact count and mass of the tokens above it. Positions ("pos") are level-2 buckets for such rows.
    Chain rows that fell back run level 1 here (and no level 2: pass 5 narrows a wide zone itself).
 4. ``_tail_kernel``, compacting (rows on the histogram path; where the row had level-2 work, after a
-   barrier of the row's programs, so that its zones are in): sums the exact mass of the surely-kept zone,
-   takes the Gumbel winner among its
-   min-p survivors (noise only for blocks that hold one), and writes the ids of the undecided tokens
-   (``b_hi <= pos <= b_lo``) to the chunk's segment of ``cand``.
-5. ``_select_kernel``: the token where level 1 decided (the chain, a short top-k list); otherwise exact ``v_k`` and ``v_p`` over
-   the undecided (or top-k-listed) tokens by a search on the
+   barrier of the row's programs, so that its zones are in): sums the exact mass of the surely-kept
+   zone, takes the Gumbel winner among its min-p survivors (noise only for blocks that hold one),
+   and writes the ids of the undecided tokens (``b_hi <= pos <= b_lo``) to the chunk's segment of
+   ``cand``.
+5. ``_select_kernel``: the token where level 1 decided (the chain, a short top-k list); otherwise
+   exact ``v_k`` and ``v_p`` over the undecided (or top-k-listed) tokens by a search on the
    order-preserving int32 key of s (counts, then masses, on top of the surely-kept zone's), the
    winner among the kept ones against the surely-kept winner; greedy rows take pass 1's argmax.
    A list of at most ``CB_SORT`` (128) tokens, a top-k of 50's, is sorted instead (v_k is its
@@ -163,16 +163,17 @@ def _hist_kernel(
     pdl.wait(USE_PDL)
     pdl.start_dependents(USE_PDL)
     _hist_phase(logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, offset_ptr, part_f_ptr, hist_ptr,
-                zones_ptr, list_f_ptr, list_i_ptr, chain_f_ptr, values_ptr, part_i_ptr, cand_ptr, tl.program_id(0).to(tl.int64),
-                tl.program_id(1), vocab, chunk, num_chunks, refine_above, cand_block, stride_l, NB, BPN, BLOCK, C_PAD,
-                1, T, J, TK)
+                zones_ptr, list_f_ptr, list_i_ptr, chain_f_ptr, values_ptr, part_i_ptr, cand_ptr,
+                tl.program_id(0).to(tl.int64), tl.program_id(1), vocab, chunk, num_chunks, refine_above, cand_block,
+                stride_l, NB, BPN, BLOCK, C_PAD, 1, T, J, TK)
 
 
 @triton.jit
 def _hist_phase(logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, offset_ptr, part_f_ptr, hist_ptr,
-                zones_ptr, list_f_ptr, list_i_ptr, chain_f_ptr, values_ptr, part_i_ptr, cand_ptr, row, c, vocab, chunk, num_chunks,
-                refine_above, cand_block, stride_l, NB: tl.constexpr, BPN: tl.constexpr, BLOCK: tl.constexpr,
-                C_PAD: tl.constexpr, LEVEL: tl.constexpr, T: tl.constexpr, J: tl.constexpr, TK: tl.constexpr):
+                zones_ptr, list_f_ptr, list_i_ptr, chain_f_ptr, values_ptr, part_i_ptr, cand_ptr, row, c, vocab, chunk,
+                num_chunks, refine_above, cand_block, stride_l, NB: tl.constexpr, BPN: tl.constexpr,
+                BLOCK: tl.constexpr, C_PAD: tl.constexpr, LEVEL: tl.constexpr, T: tl.constexpr, J: tl.constexpr,
+                TK: tl.constexpr):
     """Program (row, c)'s share of a histogram level; returns whether the row had histogram work
     (the same in every program of the row)."""
     t, top_k, top_p, min_p = tl.load(temp_ptr + row), tl.load(top_k_ptr + row), tl.load(top_p_ptr + row), \
@@ -271,8 +272,9 @@ def _tail_kernel(
     c, row = tl.program_id(0), tl.program_id(1).to(tl.int64)
     if PHASE != 3:
         go = _hist_phase(logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, offset_ptr, part_f_ptr,
-                         hist_ptr, zones_ptr, list_f_ptr, list_i_ptr, chain_f_ptr, values_ptr, part_i_ptr, cand_ptr, row, c, vocab, chunk,
-                         num_chunks, refine_above, cand_block, stride_l, NB, BPN, BLOCK, C_PAD, 2, T, J, TK)
+                         hist_ptr, zones_ptr, list_f_ptr, list_i_ptr, chain_f_ptr, values_ptr, part_i_ptr, cand_ptr,
+                         row, c, vocab, chunk, num_chunks, refine_above, cand_block, stride_l, NB, BPN, BLOCK, C_PAD, 2,
+                         T, J, TK)
         if PHASE == 0:
             if go:                                   # the row's zones, from its last program, before compacting
                 _row_barrier(zones_ptr + row * ZONES_W + BARRIER, num_chunks)
@@ -416,7 +418,8 @@ def launch(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     meta.update(BPN=BUCKETS_PER_NAT, C_PAD=c_pad)
     params = (temperature, top_k, top_p, min_p, seeds, offsets)
     _hist_kernel[(rows, c)](logits, *params, part_f, hist, zones, list_f, list_i, chain_f, values, part_i, cand,
-                            vocab, chunk, c, refine_above, cand_block, logits.stride(0), T=list_top, J=chain, TK=TOP_VALUES, num_warps=warps, **meta)
+                            vocab, chunk, c, refine_above, cand_block, logits.stride(0), T=list_top, J=chain,
+                            TK=TOP_VALUES, num_warps=warps, **meta)
     for phase in ((0,) if fuse_tail else (2, 3)):
         _tail_kernel[(c, rows)](logits, *params, part_f, part_i, hist, zones, list_f, list_i, chain_f, values, cand,
                                 vocab, chunk, c, refine_above, cand_block, logits.stride(0), T=list_top, J=chain,

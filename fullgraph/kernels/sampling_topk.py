@@ -10,9 +10,9 @@ more than k tokens. The level-1 launch writes their ids to the candidate list th
 Gumbel winner over them exactly, as it does for the histogram path's undecided zone (with nothing
 surely kept above it). A list of at most ``CB_SORT`` tokens (a top-k of 50 lists 50-66) is done
 there and then instead: the row's last level-1 program sorts it as the select pass would
-(``sampling_select._sorted``) and the row is decided, a launch earlier. A row with more than ``cand_block`` such tokens (a wide tie at ``L``; or
-``k`` above the listed count, where ``L = -inf``) falls back to the histogram path from the
-level-2 launch, as the chain's rows do.
+(``sampling_select._sorted``) and the row is decided, a launch earlier. A row with more than
+``cand_block`` such tokens (a wide tie at ``L``; or ``k`` above the listed count, where
+``L = -inf``) falls back to the histogram path from the level-2 launch, as the chain's rows do.
 """
 from __future__ import annotations
 
