@@ -21,6 +21,7 @@
 #   layernorm-sweep (those two projections with the LayerNorm on load over launch configurations)
 #   b32-h200 (llama-1b at 8 and 32 rows: the split-K linear against cuBLAS, each also with split decode attention, and profiles)
 #   sweep-attention (decode attention's splits and launch configs)
+#   kv-layout (decode attention over token-major and head-major cache pages)
 #   host-calls (the cost of one Python, numpy and CUDA call on the machine)
 #   loop-profile (the overlapped decode loop's device timeline: ops outside the graph, idle time)
 #   head32-ab (the LM head's GEMM writing float32 logits, FULLGRAPH_FUSE=...,head32, against the default)
@@ -456,6 +457,9 @@ targets)  # the decode-step rows the issues set targets for (full graphs, no com
         --modes full --steps 30 --loop sync overlap --out "$OUT/decode_phi3.json"
     run decode_phi3_dense 90 python3 -m fullgraph.bench decode --preset phi3-small-8k-dense --batch 1 --context 2048 \
         --modes full --steps 30 --out "$OUT/decode_phi3_dense.json"
+    ;;
+kv-layout)  # decode attention over the token-major cache pages (today's) and head-major ones, pages in order or shuffled
+    run kv_layout 120 python3 benchmarks/sweep_kv_layout.py --out "$OUT/kv_layout.json"
     ;;
 sweep-attention)  # decode attention's split counts and launch configs at batch 1-64 (llama-1b, SmolLM2, Phi-3-Small)
     run sweep_attention 200 python3 benchmarks/sweep_decode_attention.py --out "$OUT/sweep_attention.json"
