@@ -29,6 +29,7 @@
 #   host-ab (the host stages of .base/ and this tree, alternating)
 #   stage-ab (the stage-in's event on a branch against in line, FULLGRAPH_STAGE_EVENT=inline: tests, decode rows)
 #   forms (linears of 2-32 rows timed at capture, split-K or cuBLAS kept, against each pinned: tests, decode rows)
+#   forms-diag (timed against cuBLAS at llama-1b's 32 rows: alone in the process, the stage-in event in line)
 #   forms-loop (the overlapped loop's device timeline at 32 rows with FULLGRAPH_LINEAR=timed, cublas and auto)
 # Logs and JSON land in $OUT (or ./out); each part has its own time limit so a call stays bounded.
 set -uo pipefail
@@ -411,6 +412,16 @@ forms-loop)  # where the timed process's overlapped step loses 20-60 us against 
             FULLGRAPH_LINEAR=$impl run "forms_loop_${preset}_$impl" 90 python3 benchmarks/profile_loop.py --preset $preset \
                 --batch 32 --loops logits --out "$OUT/forms_loop_${preset}_$impl.json"
         done
+    done
+    ;;
+forms-diag)  # is the timed process's slower overlapped step at llama-1b's 32 rows the 8-row runner before it,
+    # the stage-in event's branch, or the two forms themselves? timed and cuBLAS with --batch 32 alone, timed
+    # with the event in line, and timed --batch 8 32 as before
+    for v in "timed 32 branch" "cublas 32 branch" "timed 32 inline" "timed 8_32 branch" "cublas 8_32 branch"; do
+        set -- $v
+        FULLGRAPH_LINEAR=$1 FULLGRAPH_STAGE_EVENT=$3 run "forms_diag_$1_$2_$3" 60 python3 -m fullgraph.bench decode \
+            --preset llama-1b --batch ${2//_/ } --context 1024 --modes full --steps 60 --loop sync overlap \
+            --out "$OUT/forms_diag_$1_$2_$3.json"
     done
     ;;
 head32-ab)  # the LM head writing float32 logits itself (FULLGRAPH_FUSE=...,head32) against the default, back to back
