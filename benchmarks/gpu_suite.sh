@@ -29,6 +29,7 @@
 #   host-ab (the host stages of .base/ and this tree, alternating)
 #   stage-ab (the stage-in's event on a branch against in line, FULLGRAPH_STAGE_EVENT=inline: tests, decode rows)
 #   forms (linears of 2-32 rows timed at capture, split-K or cuBLAS kept, against each pinned: tests, decode rows)
+#   pdl-batch (programmatic dependent launch off and on, decode at 1-64 rows, llama-1b, SmolLM2, Llama-8B)
 #   forms-diag (timed against cuBLAS at llama-1b's 32 rows: alone in the process, the stage-in event in line)
 #   forms-loop (the overlapped loop's device timeline at 32 rows with FULLGRAPH_LINEAR=timed, cublas and auto)
 # Logs and JSON land in $OUT (or ./out); each part has its own time limit so a call stays bounded.
@@ -510,6 +511,15 @@ pdl-ab)  # programmatic dependent launch off / on (fullgraph.kernels.pdl), batch
     done
     run llama1b_sdpa 60 python3 -m fullgraph.bench decode --preset llama-1b --batch 1 --context 1024 --attention sdpa \
         --modes full --steps 30 --out "$OUT/llama1b_sdpa.json"
+    ;;
+pdl-batch)  # programmatic dependent launch off / on at 1-64 rows (the kernel profiles of 2026-12-07 had llama-1b's
+    # 32-row replay 2.5% shorter with it off, SmolLM2's 8% longer): one process a setting and preset
+    for preset in llama-1b smollm2-135m llama-8b; do
+        for pdl in 0 1; do
+            FULLGRAPH_PDL=$pdl run "pdl_batch_${preset}_$pdl" 120 python3 -m fullgraph.bench decode --preset $preset \
+                --batch 1 8 16 32 64 --context 1024 --modes full --steps 30 --loop overlap --out "$OUT/pdl_batch_${preset}_$pdl.json"
+        done
+    done
     ;;
 sdpa-ab)  # the reference backend's decode variants (SdpaBackend.decode_gather / decode_attention), llama-1b batch 1
     for gather in rows slots; do
