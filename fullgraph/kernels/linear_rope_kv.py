@@ -7,8 +7,10 @@ mixes column i of a head with column i + D/2, so program p's local column j read
 ``hh * D + i + (j % 2) * D/2`` of pair ``u = p * BLOCK_N/2 + j // 2`` (head block hh = u // (D/2),
 i = u % (D/2)): both members of a pair land in the same program, adjacent, as SwiGLU's gate and
 up rows do in ``linear.columns``. The epilogue splits the float32 tile into the pairs (a, b),
-reads the cos/sin row of ``positions[m]`` and ``slot = slot_mapping[m]`` for each row m, and by
-the head block's role (from the layout, a constexpr):
+takes the cos/sin row of ``positions[m]`` and ``slot = slot_mapping[m]`` for each row m (loaded
+right after the PDL wait, ``rope.rope_rows`` / ``rope.rope_tables``, so those two dependent round
+trips overlap the weight stream instead of ending the kernel), and by the head block's role (from
+the layout, a constexpr):
 
     q head h:  q_out[m, h, i] = a*cos - b*sin, q_out[m, h, i + D/2] = b*cos + a*sin   (x's dtype)
     k head g:  the same rotation, stored at kv_cache[0, slot // PAGE_SIZE, slot % PAGE_SIZE, g]
@@ -35,7 +37,7 @@ import triton
 import triton.language as tl
 
 from . import compile_ahead, linear_choice, pdl
-from .linear import NO_LIMIT, launch_config, norm_kind, product
+from .linear import NO_LIMIT, launch_config, norm_kind, product_rope
 from .linear import _check as _check_linear
 from .rope_kv_write import rope_kv_write
 from .._compat import custom_op
@@ -54,12 +56,13 @@ def pair_columns(pid, NUM_PAIRS: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.c
 
 
 @triton.jit
-def rope_kv_epilogue(acc, pid, M, pos_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, kv_ptr, num_slots,
+def rope_kv_epilogue(acc, pid, M, slot, c, s, q_out_ptr, kv_ptr, num_slots,
                      stride_kv, stride_cb, stride_cs, stride_ch,
                      NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, PAGE_SIZE: tl.constexpr,
                      LAYOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The (BLOCK_M, BLOCK_N) float32 product of :func:`pair_columns`' rows -> q heads rotated into
-    ``q_out``, k heads rotated and v heads as they are into the cache (the module docstring)."""
+    ``q_out``, k heads rotated and v heads as they are into the cache (the module docstring);
+    ``slot``, ``c``, ``s``: the rows' slots and the pairs' cos / sin (``rope.rope_inputs``)."""
     NUM_PAIRS: tl.constexpr = (NUM_HEADS + 2 * NUM_KV_HEADS) * HALF
     a, b = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))   # columns i and i + D/2 of a head
     up = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
@@ -78,13 +81,7 @@ def rope_kv_epilogue(acc, pid, M, pos_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr
 
     rm = tl.arange(0, BLOCK_M)
     row_ok = rm < M
-    pos = tl.load(pos_ptr + rm, mask=row_ok, other=0).to(tl.int64)
-    slot = tl.load(slot_ptr + rm, mask=row_ok & (rm < num_slots), other=-1).to(tl.int64)
     live = (slot >= 0) | (rm >= num_slots)                   # not padding: q_out gets the rotation
-    table = pos[:, None] * HALF + i[None, :]
-    cs_ok = row_ok[:, None] & pair_ok[None, :]
-    c = tl.load(cos_ptr + table, mask=cs_ok, other=0.0)
-    s = tl.load(sin_ptr + table, mask=cs_ok, other=0.0)
     out1, out2 = a * c - b * s, b * c + a * s
 
     q_dst = q_out_ptr + rm.to(tl.int64)[:, None] * (NUM_HEADS * 2 * HALF) + (q_head * (2 * HALF) + i)[None, :]
@@ -112,10 +109,12 @@ def _linear_rope_kv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr, PDL_LATE: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    rn, pair_ok = pair_columns(pid, (NUM_HEADS + 2 * NUM_KV_HEADS) * HALF, HALF, BLOCK_N)
-    acc = product(x_ptr, w_ptr, b_ptr, g_ptr, sums_ptr, x_ptr, M, K, eps, stride_xm, 0, rn, pair_ok,
-                  HAS_BIAS, NORM, False, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL, PDL_LATE)   # waits (PDL) inside
-    rope_kv_epilogue(acc, pid, M, pos_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, kv_ptr, num_slots,
+    NUM_PAIRS: tl.constexpr = (NUM_HEADS + 2 * NUM_KV_HEADS) * HALF
+    rn, pair_ok = pair_columns(pid, NUM_PAIRS, HALF, BLOCK_N)
+    acc, slot, c, s = product_rope(x_ptr, w_ptr, b_ptr, g_ptr, sums_ptr, M, K, eps, stride_xm, rn, pair_ok, pid,
+                                   pos_ptr, cos_ptr, sin_ptr, slot_ptr, num_slots, HAS_BIAS, NORM, PREFETCH, BLOCK_M,
+                                   BLOCK_N, BLOCK_K, USE_PDL, PDL_LATE, NUM_PAIRS, HALF)   # waits (PDL) inside
+    rope_kv_epilogue(acc, pid, M, slot, c, s, q_out_ptr, kv_ptr, num_slots,
                      stride_kv, stride_cb, stride_cs, stride_ch, NUM_HEADS, NUM_KV_HEADS, HALF, PAGE_SIZE, LAYOUT,
                      BLOCK_M, BLOCK_N)
 

@@ -64,6 +64,29 @@ def _rope_kernel(
             HALF, BLOCK_HK, BLOCK_D)
 
 
+@triton.jit
+def rope_rows(M, pos_ptr, slot_ptr, num_slots, BLOCK_M: tl.constexpr):
+    """The first half of what the fused QKV projection's epilogue (``linear_rope_kv.rope_kv_epilogue``)
+    reads besides the product: each of the BLOCK_M rows' position and slot (-1: padding, or past the
+    ``num_slots`` of the mapping). Step metadata: the weight-streaming kernels load it right after
+    their PDL wait, so its round trip overlaps the weight stream instead of following it."""
+    rm = tl.arange(0, BLOCK_M)
+    row_ok = rm < M
+    pos = tl.load(pos_ptr + rm, mask=row_ok, other=0).to(tl.int64)
+    return pos, tl.load(slot_ptr + rm, mask=row_ok & (rm < num_slots), other=-1).to(tl.int64)
+
+
+@triton.jit
+def rope_tables(pid, M, pos, cos_ptr, sin_ptr, NUM_PAIRS: tl.constexpr, HALF: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """The second half: the cos / sin of each row's position at the index i of each of program
+    ``pid``'s column pairs (``linear_rope_kv.pair_columns``), (BLOCK_M, BLOCK_N / 2) float32 each."""
+    i = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    ok = (tl.arange(0, BLOCK_M) < M)[:, None] & (i < NUM_PAIRS)[None, :]
+    table = pos[:, None] * HALF + (i % HALF)[None, :]
+    return tl.load(cos_ptr + table, mask=ok, other=0.0), tl.load(sin_ptr + table, mask=ok, other=0.0)
+
+
 @custom_op("fullgraph::rope", mutates_args=())
 def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
          sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,6 +37,7 @@ from . import compile_ahead, pdl
 from .linear import ACTIVATIONS, NO_LIMIT, _check, columns, store, x_tile
 from .linear_rope_kv import LAYOUTS, pair_columns, rope_kv_epilogue
 from .linear_rope_kv import _check as _check_rope_kv
+from .rope import rope_rows, rope_tables
 
 MAX_ROWS = 64
 
@@ -63,14 +64,19 @@ def _tile(acc, ss, w, x_ptr, g_ptr, stride_xm, M, k0, k_hi, rk, rm, NORM: tl.con
 
 @triton.jit
 def streamed_product(x_ptr, w_ptr, b_ptr, g_ptr, part_ptr, ss_ptr, count_ptr, M, K, eps, stride_xm, k_per_split,
-                     pid, rn, n_ok,
+                     pid, rn, n_ok, pos_ptr, cos_ptr, sin_ptr, slot_ptr, num_slots,
                      HAS_BIAS: tl.constexpr, NORM: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                     USE_PDL: tl.constexpr, PDL_LATE: tl.constexpr):
+                     USE_PDL: tl.constexpr, PDL_LATE: tl.constexpr, ROPE_PAIRS: tl.constexpr, ROPE_HALF: tl.constexpr):
     """The (BLOCK_M, BLOCK_N) float32 ``norm(x) @ w[rn].T + b[rn]`` of column block ``pid`` (its
-    weight rows ``rn``, those with ``n_ok``), over K split ``program_id(1)``; and whether this
-    program holds the whole product (no split, or the last split of the block to arrive: it summed
-    the others' partials). Waits for the kernel ahead (PDL) after loading its first weight tile."""
+    weight rows ``rn``, those with ``n_ok``), over K split ``program_id(1)``; whether this program
+    holds the whole product (no split, or the last split of the block to arrive: it summed the
+    others' partials); and with ROPE_PAIRS > 0 what the fused QKV projection's epilogue reads (else
+    0s): the rows' positions and slots loaded right after the wait, so their round trip overlaps
+    the weight stream, and the cos / sin rows of those positions right after the weight stream,
+    so theirs overlaps the split exchange (held through the K loop, the tables took the 32-row
+    kernel from 80 to 127 registers). Waits for the kernel ahead (PDL) after loading its first
+    weight tile."""
     split = tl.program_id(1)
     rk = tl.arange(0, BLOCK_K)
     rm = tl.arange(0, BLOCK_M)
@@ -81,6 +87,9 @@ def streamed_product(x_ptr, w_ptr, b_ptr, g_ptr, part_ptr, ss_ptr, count_ptr, M,
     pdl.wait(USE_PDL)
     if not PDL_LATE:
         pdl.start_dependents(USE_PDL)
+    rope_pos, rope_slot, rope_cos, rope_sin = 0, 0, 0.0, 0.0
+    if ROPE_PAIRS > 0:
+        rope_pos, rope_slot = rope_rows(M, pos_ptr, slot_ptr, num_slots, BLOCK_M)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc, ss = _tile(acc, ss, w0, x_ptr, g_ptr, stride_xm, M, k_lo, k_hi, rk, rm, NORM, EVEN_K)
@@ -89,6 +98,8 @@ def streamed_product(x_ptr, w_ptr, b_ptr, g_ptr, part_ptr, ss_ptr, count_ptr, M,
         acc, ss = _tile(acc, ss, w, x_ptr, g_ptr, stride_xm, M, k0, k_hi, rk, rm, NORM, EVEN_K)
     if PDL_LATE:  # every weight tile is in: the kernel behind may take this program's slot soon
         pdl.start_dependents(USE_PDL)
+    if ROPE_PAIRS > 0:
+        rope_cos, rope_sin = rope_tables(pid, M, rope_pos, cos_ptr, sin_ptr, ROPE_PAIRS, ROPE_HALF, BLOCK_M, BLOCK_N)
     done = True
     if SPLIT_K > 1:
         j = tl.arange(0, BLOCK_N)
@@ -113,7 +124,7 @@ def streamed_product(x_ptr, w_ptr, b_ptr, g_ptr, part_ptr, ss_ptr, count_ptr, M,
         y = y / tl.sqrt(ss / K + eps)[:, None]
     if HAS_BIAS:
         y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    return y, done
+    return y, done, rope_slot, rope_cos, rope_sin
 
 
 @compile_ahead.kernel
@@ -127,9 +138,9 @@ def _skinny_kernel(
 ):
     pid = tl.program_id(0)
     rn, n_ok = columns(pid, N, ACT, BLOCK_N)
-    y, done = streamed_product(x_ptr, w_ptr, b_ptr, g_ptr, part_ptr, ss_ptr, count_ptr, M, K, eps, stride_xm,
-                               k_per_split, pid, rn, n_ok, HAS_BIAS, NORM, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K,
-                               EVEN_N, EVEN_K, USE_PDL, PDL_LATE)
+    y, done, _, _, _ = streamed_product(x_ptr, w_ptr, b_ptr, g_ptr, part_ptr, ss_ptr, count_ptr, M, K, eps, stride_xm,
+                                        k_per_split, pid, rn, n_ok, x_ptr, x_ptr, x_ptr, x_ptr, 0, HAS_BIAS, NORM,
+                                        SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_N, EVEN_K, USE_PDL, PDL_LATE, 0, 1)
     if done:
         if HAS_RES:
             rm = tl.arange(0, BLOCK_M)
@@ -150,12 +161,14 @@ def _skinny_rope_kv_kernel(
 ):
     """``linear_rope_kv``'s QKV projection on this file's streamed product: its column pairs, its epilogue."""
     pid = tl.program_id(0)
-    rn, pair_ok = pair_columns(pid, (NUM_HEADS + 2 * NUM_KV_HEADS) * HALF, HALF, BLOCK_N)
-    y, done = streamed_product(x_ptr, w_ptr, b_ptr, g_ptr, part_ptr, ss_ptr, count_ptr, M, K, eps, stride_xm,
-                               k_per_split, pid, rn, pair_ok, HAS_BIAS, NORM, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K,
-                               EVEN_N, EVEN_K, USE_PDL, PDL_LATE)
+    NUM_PAIRS: tl.constexpr = (NUM_HEADS + 2 * NUM_KV_HEADS) * HALF
+    rn, pair_ok = pair_columns(pid, NUM_PAIRS, HALF, BLOCK_N)
+    y, done, slot, c, s = streamed_product(x_ptr, w_ptr, b_ptr, g_ptr, part_ptr, ss_ptr, count_ptr, M, K, eps,
+                                           stride_xm, k_per_split, pid, rn, pair_ok, pos_ptr, cos_ptr, sin_ptr,
+                                           slot_ptr, num_slots, HAS_BIAS, NORM, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K,
+                                           EVEN_N, EVEN_K, USE_PDL, PDL_LATE, NUM_PAIRS, HALF)
     if done:
-        rope_kv_epilogue(y, pid, M, pos_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, kv_ptr, num_slots,
+        rope_kv_epilogue(y, pid, M, slot, c, s, q_out_ptr, kv_ptr, num_slots,
                          stride_kv, stride_cb, stride_cs, stride_ch, NUM_HEADS, NUM_KV_HEADS, HALF, PAGE_SIZE, LAYOUT,
                          BLOCK_M, BLOCK_N)
 
