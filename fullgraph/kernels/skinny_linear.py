@@ -63,20 +63,22 @@ def _tile(acc, ss, w, x_ptr, g_ptr, stride_xm, M, k0, k_hi, rk, rm, NORM: tl.con
 
 
 @triton.jit
-def streamed_product(x_ptr, w_ptr, b_ptr, g_ptr, part_ptr, ss_ptr, count_ptr, M, K, eps, stride_xm, k_per_split,
-                     pid, rn, n_ok, pos_ptr, cos_ptr, sin_ptr, slot_ptr, num_slots,
-                     HAS_BIAS: tl.constexpr, NORM: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                     USE_PDL: tl.constexpr, PDL_LATE: tl.constexpr, ROPE_PAIRS: tl.constexpr, ROPE_HALF: tl.constexpr):
-    """The (BLOCK_M, BLOCK_N) float32 ``norm(x) @ w[rn].T + b[rn]`` of column block ``pid`` (its
-    weight rows ``rn``, those with ``n_ok``), over K split ``program_id(1)``; whether this program
-    holds the whole product (no split, or the last split of the block to arrive: it summed the
-    others' partials); and with ROPE_PAIRS > 0 what the fused QKV projection's epilogue reads (else
-    0s): the rows' positions and slots loaded right after the wait, so their round trip overlaps
-    the weight stream, and the cos / sin rows of those positions right after the weight stream,
-    so theirs overlaps the split exchange (held through the K loop, the tables took the 32-row
-    kernel from 80 to 127 registers). Waits for the kernel ahead (PDL) after loading its first
-    weight tile."""
+def streamed_product(x_ptr, w_ptr, b_ptr, g_ptr, res_ptr, part_ptr, ss_ptr, count_ptr, M, K, eps, stride_xm,
+                     stride_rm, k_per_split, pid, rn, n_ok, pos_ptr, cos_ptr, sin_ptr, slot_ptr, num_slots,
+                     HAS_BIAS: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, SPLIT_K: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
+                     EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, PDL_LATE: tl.constexpr, ROPE_PAIRS: tl.constexpr,
+                     ROPE_HALF: tl.constexpr):
+    """The (BLOCK_M, BLOCK_N) float32 ``norm(x) @ w[rn].T + b[rn] (+ residual[:, rn])`` of column
+    block ``pid`` (its weight rows ``rn``, those with ``n_ok``), over K split ``program_id(1)``;
+    whether this program holds the whole product (no split, or the last split of the block to
+    arrive: it summed the others' partials); and with ROPE_PAIRS > 0 what the fused QKV
+    projection's epilogue reads (else 0s). Waits for the kernel ahead (PDL) after loading its
+    first weight tile and the bias (parameters). What the finish reads besides the partials is
+    loaded early, so its round trips overlap work instead of following the exchange: the rows'
+    positions and slots right after the wait; the residual and the cos / sin rows of those
+    positions right after the weight stream, beside the exchange (held through the K loop, the
+    tables took the 32-row kernel from 80 to 127 registers)."""
     split = tl.program_id(1)
     rk = tl.arange(0, BLOCK_K)
     rm = tl.arange(0, BLOCK_M)
@@ -84,6 +86,8 @@ def streamed_product(x_ptr, w_ptr, b_ptr, g_ptr, part_ptr, ss_ptr, count_ptr, M,
     k_hi = tl.minimum(K, k_lo + k_per_split)
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
     w0 = _weight_tile(w_rows, n_ok, k_lo, k_hi, rk, EVEN_N, EVEN_K)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
     pdl.wait(USE_PDL)
     if not PDL_LATE:
         pdl.start_dependents(USE_PDL)
@@ -100,6 +104,9 @@ def streamed_product(x_ptr, w_ptr, b_ptr, g_ptr, part_ptr, ss_ptr, count_ptr, M,
         pdl.start_dependents(USE_PDL)
     if ROPE_PAIRS > 0:
         rope_cos, rope_sin = rope_tables(pid, M, rope_pos, cos_ptr, sin_ptr, ROPE_PAIRS, ROPE_HALF, BLOCK_M, BLOCK_N)
+    if HAS_RES:
+        res = tl.load(res_ptr + rm[:, None] * stride_rm + rn[None, :], mask=(rm < M)[:, None] & n_ok[None, :],
+                      other=0.0)
     done = True
     if SPLIT_K > 1:
         j = tl.arange(0, BLOCK_N)
@@ -123,7 +130,9 @@ def streamed_product(x_ptr, w_ptr, b_ptr, g_ptr, part_ptr, ss_ptr, count_ptr, M,
     if NORM:
         y = y / tl.sqrt(ss / K + eps)[:, None]
     if HAS_BIAS:
-        y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        y += bias[None, :]
+    if HAS_RES:
+        y += res.to(tl.float32)
     return y, done, rope_slot, rope_cos, rope_sin
 
 
@@ -138,14 +147,11 @@ def _skinny_kernel(
 ):
     pid = tl.program_id(0)
     rn, n_ok = columns(pid, N, ACT, BLOCK_N)
-    y, done, _, _, _ = streamed_product(x_ptr, w_ptr, b_ptr, g_ptr, part_ptr, ss_ptr, count_ptr, M, K, eps, stride_xm,
-                                        k_per_split, pid, rn, n_ok, x_ptr, x_ptr, x_ptr, x_ptr, 0, HAS_BIAS, NORM,
-                                        SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_N, EVEN_K, USE_PDL, PDL_LATE, 0, 1)
+    y, done, _, _, _ = streamed_product(x_ptr, w_ptr, b_ptr, g_ptr, res_ptr, part_ptr, ss_ptr, count_ptr, M, K, eps,
+                                        stride_xm, stride_rm, k_per_split, pid, rn, n_ok, x_ptr, x_ptr, x_ptr, x_ptr, 0,
+                                        HAS_BIAS, NORM, HAS_RES, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_N, EVEN_K,
+                                        USE_PDL, PDL_LATE, 0, 1)
     if done:
-        if HAS_RES:
-            rm = tl.arange(0, BLOCK_M)
-            y += tl.load(res_ptr + rm[:, None] * stride_rm + rn[None, :], mask=(rm < M)[:, None] & n_ok[None, :],
-                         other=0.0).to(tl.float32)
         store(y, out_ptr, M, stride_om, pid, rn, n_ok, N, limit, ACT, BLOCK_M, BLOCK_N)
 
 
@@ -163,10 +169,10 @@ def _skinny_rope_kv_kernel(
     pid = tl.program_id(0)
     NUM_PAIRS: tl.constexpr = (NUM_HEADS + 2 * NUM_KV_HEADS) * HALF
     rn, pair_ok = pair_columns(pid, NUM_PAIRS, HALF, BLOCK_N)
-    y, done, slot, c, s = streamed_product(x_ptr, w_ptr, b_ptr, g_ptr, part_ptr, ss_ptr, count_ptr, M, K, eps,
-                                           stride_xm, k_per_split, pid, rn, pair_ok, pos_ptr, cos_ptr, sin_ptr,
-                                           slot_ptr, num_slots, HAS_BIAS, NORM, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K,
-                                           EVEN_N, EVEN_K, USE_PDL, PDL_LATE, NUM_PAIRS, HALF)
+    y, done, slot, c, s = streamed_product(x_ptr, w_ptr, b_ptr, g_ptr, x_ptr, part_ptr, ss_ptr, count_ptr, M, K, eps,
+                                           stride_xm, 0, k_per_split, pid, rn, pair_ok, pos_ptr, cos_ptr, sin_ptr,
+                                           slot_ptr, num_slots, HAS_BIAS, NORM, False, SPLIT_K, BLOCK_M, BLOCK_N,
+                                           BLOCK_K, EVEN_N, EVEN_K, USE_PDL, PDL_LATE, NUM_PAIRS, HALF)
     if done:
         rope_kv_epilogue(y, pid, M, slot, c, s, q_out_ptr, kv_ptr, num_slots,
                          stride_kv, stride_cb, stride_cs, stride_ch, NUM_HEADS, NUM_KV_HEADS, HALF, PAGE_SIZE, LAYOUT,
