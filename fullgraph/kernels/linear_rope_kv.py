@@ -62,7 +62,7 @@ def rope_kv_epilogue(acc, pid, M, slot, c, s, q_out_ptr, kv_ptr, num_slots,
                      LAYOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The (BLOCK_M, BLOCK_N) float32 product of :func:`pair_columns`' rows -> q heads rotated into
     ``q_out``, k heads rotated and v heads as they are into the cache (the module docstring);
-    ``slot``, ``c``, ``s``: the rows' slots and the pairs' cos / sin (``rope.rope_inputs``)."""
+    ``slot``, ``c``, ``s``: the rows' slots and the pairs' cos / sin (``rope.rope_rows``, ``rope.rope_tables``)."""
     NUM_PAIRS: tl.constexpr = (NUM_HEADS + 2 * NUM_KV_HEADS) * HALF
     a, b = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))   # columns i and i + D/2 of a head
     up = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
