@@ -139,9 +139,10 @@ def product(x_ptr, w_ptr, b_ptr, g_ptr, sums_ptr, res_ptr, M, K, eps, stride_xm,
     b))``; one row). Waits for the kernel ahead (PDL) after loading its first PREFETCH weight
     tiles, the norm weight's, the sums and the bias, which are parameters, and lets
     the kernel behind start; the residual is loaded right after the wait."""
-    return _product(x_ptr, w_ptr, b_ptr, g_ptr, sums_ptr, res_ptr, M, K, eps, stride_xm, stride_rm, rn, n_ok,
-                    0, x_ptr, x_ptr, x_ptr, x_ptr, 0, HAS_BIAS, NORM, HAS_RES, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K,
-                    USE_PDL, PDL_LATE, 0, 1)[0]
+    acc, _, _, _ = _product(x_ptr, w_ptr, b_ptr, g_ptr, sums_ptr, res_ptr, M, K, eps, stride_xm, stride_rm, rn, n_ok,
+                            0, x_ptr, x_ptr, x_ptr, x_ptr, 0, HAS_BIAS, NORM, HAS_RES, PREFETCH, BLOCK_M, BLOCK_N,
+                            BLOCK_K, USE_PDL, PDL_LATE, 0, 1)
+    return acc
 
 
 @triton.jit
