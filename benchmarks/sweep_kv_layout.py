@@ -21,27 +21,10 @@ import torch
 
 from fullgraph.kernels import num_kv_splits, paged_attention
 from fullgraph.kernels.paged_attention import default_config
+from sweep_decode_attention import graph_us  # this directory is on sys.path when run as a script
 
 DEV = torch.device("cuda")
-LAYERS = 16
-
-
-def graph_us(calls, reps: int = 20) -> float:
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    g.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        g.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps / len(calls) * 1e3
+LAYERS = 16  # distinct caches, one call each in a graph (as sweep_decode_attention's)
 
 
 def copy_tbs(nbytes: int) -> float:

@@ -64,30 +64,26 @@ def _serve(plt, files: list[dict], args):
     runs = [(_run_label(f), f["rows"]) for f in files]
     systems = sorted({r["system"] for _, rows in runs for r in rows}, key=lambda s: (not s.startswith("fullgraph"), s))
     fig, (thr, lat) = plt.subplots(1, 2, figsize=(6 + 2.2 * len(runs), 4.5))
-    width, tallest = 0.8 / len(systems), [1.0, 1.0]   # the legends go in a decade of headroom above the bars
+    width = 0.8 / len(systems)
     for k, system in enumerate(systems):
         values = [next((r["output_tok_s"] for r in rows if r["system"] == system), math.nan) for _, rows in runs]
         thr.bar([i + (k - (len(systems) - 1) / 2) * width for i in range(len(runs))], values, width, label=system)
-        tallest[0] = max([tallest[0]] + [v for v in values if math.isfinite(v)])
     thr.set(title="output tokens per second", xticks=range(len(runs)), xticklabels=[label for label, _ in runs],
             yscale="log", ylabel="tokens / s")
-    thr.set_ylim(top=tallest[0] * 10)
     thr.legend(fontsize=7, loc="upper left")
     ours = [next((r for r in rows if r["system"].startswith("fullgraph")), None) for _, rows in runs]
     for k, (metric, name) in enumerate((("ttft", "time to first token"), ("tpot", "time per output token"))):
         xs = [i + (k - 0.5) * 0.4 for i in range(len(runs))]
         p50 = [r[f"{metric}_p50_ms"] if r else math.nan for r in ours]
-        p99 = [r[f"{metric}_p99_ms"] if r else math.nan for r in ours]
         lat.bar(xs, p50, 0.4, label=f"{name}, p50 (p99 tick)")
-        lat.scatter(xs, p99, marker="_", s=400, color="k")
-        tallest[1] = max([tallest[1]] + [v for v in p50 + p99 if math.isfinite(v)])
+        lat.scatter(xs, [r[f"{metric}_p99_ms"] if r else math.nan for r in ours], marker="_", s=400, color="k")
     lat.set(title="fullgraph latency", xticks=range(len(runs)), xticklabels=[label for label, _ in runs],
             yscale="log", ylabel="ms")
-    lat.set_ylim(top=tallest[1] * 10)
     lat.legend(fontsize=7, loc="upper left")
     for ax in (thr, lat):
         ax.grid(True, axis="y", which="both", alpha=0.3)
         ax.tick_params(axis="x", labelsize=7)
+        ax.set_ylim(top=ax.get_ylim()[1] * 10)   # a decade of headroom (log scale) for the legend above the bars
     return fig
 
 
