@@ -93,8 +93,10 @@ class FullGraphRunner:
             self.buffers.add_workspaces(backend.name, backend.workspaces())
         self._graphs = GraphSet(self.device) if self.config.cudagraph == "full" else None
         self._capture_report: CaptureReport | None = None
-        self._compiled = CompiledStep(self._model_forward, strict=self.config.validate) if self.config.compile else None
-        self._forward = self._compiled or self._model_forward
+        # the plain function, called with the runner as its first argument: a bound method held by the
+        # runner would make it a reference cycle (freed by the garbage collector, not by its last `del`)
+        self._compiled = (CompiledStep(FullGraphRunner._model_forward, strict=self.config.validate)
+                          if self.config.compile else None)
         self._validator = StepValidator(self.buffers, self.kv_caches, config.block_size) if config.validate else None
         self._host_fields = [n for n, f in self.fields.items() if f.source == "host"]
         self._warm = False
@@ -263,6 +265,12 @@ class FullGraphRunner:
         if self.config.sampling:
             self._write_outputs(outputs, plan.num_reqs)
         return {name: t.clone() for name, t in outputs.items()}
+
+    def _forward(self, inputs: Mapping[str, torch.Tensor], decode_only: bool) -> dict[str, torch.Tensor]:
+        """The step's function, compiled with ``compile=True``."""
+        if self._compiled is not None:
+            return self._compiled(self, inputs, decode_only)
+        return self._model_forward(inputs, decode_only)
 
     def _model_forward(self, inputs: Mapping[str, torch.Tensor], decode_only: bool) -> dict[str, torch.Tensor]:
         """Model + logits (+ sampling) for one step: the function ``compile=True`` compiles.
