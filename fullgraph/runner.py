@@ -93,10 +93,8 @@ class FullGraphRunner:
             self.buffers.add_workspaces(backend.name, backend.workspaces())
         self._graphs = GraphSet(self.device) if self.config.cudagraph == "full" else None
         self._capture_report: CaptureReport | None = None
-        # the plain function, called with the runner as its first argument: a bound method held by the
-        # runner would make it a reference cycle (freed by the garbage collector, not by its last `del`)
-        self._compiled = (CompiledStep(FullGraphRunner._model_forward, strict=self.config.validate)
-                          if self.config.compile else None)
+        # the plain function, the runner passed in: a bound method kept here would be a reference cycle
+        self._compiled = CompiledStep(type(self)._model_forward, strict=config.validate) if config.compile else None
         self._validator = StepValidator(self.buffers, self.kv_caches, config.block_size) if config.validate else None
         self._host_fields = [n for n, f in self.fields.items() if f.source == "host"]
         self._warm = False
@@ -268,9 +266,7 @@ class FullGraphRunner:
 
     def _forward(self, inputs: Mapping[str, torch.Tensor], decode_only: bool) -> dict[str, torch.Tensor]:
         """The step's function, compiled with ``compile=True``."""
-        if self._compiled is not None:
-            return self._compiled(self, inputs, decode_only)
-        return self._model_forward(inputs, decode_only)
+        return self._compiled(self, inputs, decode_only) if self._compiled else self._model_forward(inputs, decode_only)
 
     def _model_forward(self, inputs: Mapping[str, torch.Tensor], decode_only: bool) -> dict[str, torch.Tensor]:
         """Model + logits (+ sampling) for one step: the function ``compile=True`` compiles.
