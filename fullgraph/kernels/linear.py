@@ -35,7 +35,6 @@ import triton
 import triton.language as tl
 
 from . import compile_ahead, linear_choice, pdl
-from .rope import rope_rows, rope_tables
 from .._compat import custom_op
 
 
@@ -139,34 +138,6 @@ def product(x_ptr, w_ptr, b_ptr, g_ptr, sums_ptr, res_ptr, M, K, eps, stride_xm,
     b))``; one row). Waits for the kernel ahead (PDL) after loading its first PREFETCH weight
     tiles, the norm weight's, the sums and the bias, which are parameters, and lets
     the kernel behind start; the residual is loaded right after the wait."""
-    acc, _, _, _ = _product(x_ptr, w_ptr, b_ptr, g_ptr, sums_ptr, res_ptr, M, K, eps, stride_xm, stride_rm, rn, n_ok,
-                            0, x_ptr, x_ptr, x_ptr, x_ptr, 0, HAS_BIAS, NORM, HAS_RES, PREFETCH, BLOCK_M, BLOCK_N,
-                            BLOCK_K, USE_PDL, PDL_LATE, 0, 1)
-    return acc
-
-
-@triton.jit
-def product_rope(x_ptr, w_ptr, b_ptr, g_ptr, sums_ptr, M, K, eps, stride_xm, rn, n_ok, pid,
-                 pos_ptr, cos_ptr, sin_ptr, slot_ptr, num_slots,
-                 HAS_BIAS: tl.constexpr, NORM: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr, PDL_LATE: tl.constexpr,
-                 ROPE_PAIRS: tl.constexpr, ROPE_HALF: tl.constexpr):
-    """:func:`product` (no residual) and, loaded right after the PDL wait, what the fused QKV
-    projection's epilogue reads (``rope.rope_rows`` and ``rope.rope_tables``: the rows' slots, the
-    pairs' cos / sin): returns ``(acc, slot, cos, sin)``."""
-    return _product(x_ptr, w_ptr, b_ptr, g_ptr, sums_ptr, x_ptr, M, K, eps, stride_xm, 0, rn, n_ok,
-                    pid, pos_ptr, cos_ptr, sin_ptr, slot_ptr, num_slots, HAS_BIAS, NORM, False, PREFETCH,
-                    BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL, PDL_LATE, ROPE_PAIRS, ROPE_HALF)
-
-
-@triton.jit
-def _product(x_ptr, w_ptr, b_ptr, g_ptr, sums_ptr, res_ptr, M, K, eps, stride_xm, stride_rm, rn, n_ok,
-             pid, pos_ptr, cos_ptr, sin_ptr, slot_ptr, num_slots,
-             HAS_BIAS: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, PREFETCH: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
-             PDL_LATE: tl.constexpr, ROPE_PAIRS: tl.constexpr, ROPE_HALF: tl.constexpr):
-    """:func:`product`, and with ROPE_PAIRS > 0 :func:`product_rope`'s early loads; returns
-    ``(acc, slot, cos, sin)`` (the last three 0 without them)."""
     tl.static_assert(NORM < 2 or BLOCK_M == 1, "a LayerNorm on load serves one row")
     rk = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * K
@@ -189,10 +160,6 @@ def _product(x_ptr, w_ptr, b_ptr, g_ptr, sums_ptr, res_ptr, M, K, eps, stride_xm
         rm0 = tl.arange(0, BLOCK_M)
         res = tl.load(res_ptr + rm0[:, None] * stride_rm + rn[None, :], mask=(rm0 < M)[:, None] & n_ok[None, :],
                       other=0.0)
-    rope_slot, rope_cos, rope_sin = 0, 0.0, 0.0
-    if ROPE_PAIRS > 0:  # likewise (one row: a few registers)
-        rope_pos, rope_slot = rope_rows(M, pos_ptr, slot_ptr, num_slots, BLOCK_M)
-        rope_cos, rope_sin = rope_tables(pid, M, rope_pos, cos_ptr, sin_ptr, ROPE_PAIRS, ROPE_HALF, BLOCK_M, BLOCK_N)
     if NORM == 2:  # one row (static_assert above)
         x0 = tl.load(x_ptr).to(tl.float32)           # the shift: the row's first element
         acc1, xs = _layer_norm_row_tile(w0, g0, x_ptr, x0, 0, rk, K)
@@ -242,7 +209,7 @@ def _product(x_ptr, w_ptr, b_ptr, g_ptr, sums_ptr, res_ptr, M, K, eps, stride_xm
         acc += bias[None, :]
     if HAS_RES:  # the residual stream's new value: this product plus the stream (no activation)
         acc += res.to(tl.float32)
-    return acc, rope_slot, rope_cos, rope_sin
+    return acc
 
 
 @compile_ahead.kernel

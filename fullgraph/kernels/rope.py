@@ -68,8 +68,9 @@ def _rope_kernel(
 def rope_rows(M, pos_ptr, slot_ptr, num_slots, BLOCK_M: tl.constexpr):
     """The first half of what the fused QKV projection's epilogue (``linear_rope_kv.rope_kv_epilogue``)
     reads besides the product: each of the BLOCK_M rows' position and slot (-1: padding, or past the
-    ``num_slots`` of the mapping). Step metadata: the weight-streaming kernels load it right after
-    their PDL wait, so its round trip overlaps the weight stream instead of following it."""
+    ``num_slots`` of the mapping). Step metadata: the split-K kernel loads it right after its PDL
+    wait, so its round trip overlaps the weight stream; the one-row kernel after the stream (there the
+    early load took llama-1b's step longer)."""
     rm = tl.arange(0, BLOCK_M)
     row_ok = rm < M
     pos = tl.load(pos_ptr + rm, mask=row_ok, other=0).to(tl.int64)
