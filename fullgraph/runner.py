@@ -26,7 +26,7 @@ from .models import from_hf
 from .models.base import check_model
 from .models.layers import refresh_norms_on_load
 from .plan import SeqChunk, Target, _who, capture_plan, plan_with_cache
-from .validate import StepValidator
+from .validate import StepValidator, check_token_ids
 
 logger = logging.getLogger("fullgraph")
 
@@ -178,7 +178,7 @@ class FullGraphRunner:
             if reason:
                 raise ValueError(f"attention backend {backend.name!r} cannot run this step: {reason}")
         if token_ids is not None:
-            self._check_token_ids(token_ids, plan.num_tokens)
+            check_token_ids(token_ids, plan.num_tokens, self.device, self.vocab_size, cfg.validate)
         if cfg.validate and pad:
             padding.check(plan, self.policy)
         if not pad:
@@ -190,20 +190,6 @@ class FullGraphRunner:
         self._count(plan, mode)
         return StepOutput(outputs.get("logits"), mode, plan.num_tokens, plan.num_tokens_padded,
                           outputs.get("token_ids"), outputs.get("logprobs"), outputs.get("top_ids"))
-
-    def _check_token_ids(self, token_ids: torch.Tensor, num_tokens: int) -> None:
-        ok = (isinstance(token_ids, torch.Tensor) and token_ids.device == self.device
-              and token_ids.dtype in (torch.int64, torch.int32) and tuple(token_ids.shape) == (num_tokens,))
-        if not ok:
-            got = (f"{token_ids.dtype} {tuple(token_ids.shape)} on {token_ids.device}"
-                   if isinstance(token_ids, torch.Tensor) else type(token_ids).__name__)
-            raise ValueError(f"token_ids: expected a ({num_tokens},) int64 or int32 tensor on {self.device} "
-                             f"(the step's {num_tokens} tokens in chunk order), got {got}")
-        if self.config.validate:  # waits for the device
-            bad = (token_ids < 0) | (token_ids >= self.vocab_size)
-            if bool(bad.any()):
-                i = int(bad.nonzero()[0])
-                raise ValueError(f"token_ids[{i}] = {int(token_ids[i])}: outside the vocabulary [0, {self.vocab_size})")
 
     def _run_padded(self, plan: StepPlan, token_ids: torch.Tensor | None = None,
                     side: dict[str, int] | None = None, copy_outputs: bool = True) -> tuple[dict[str, torch.Tensor], str]:

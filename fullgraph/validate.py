@@ -6,7 +6,8 @@ the outputs, the backends' workspaces and the null block with NaN — and snapsh
 after the step: no NaN in a real logits row (-inf is allowed: models mask token ids with it), and
 the only KV slots whose bytes changed are the real tokens' slots (the null block included). A
 violation raises ``ValidationError`` naming the layer, slot and field. Costs a copy of the whole
-KV cache per step: for tests and debugging, not serving.
+KV cache per step: for tests and debugging, not serving. ``check_token_ids`` checks a step's ids
+given as a device tensor: their shape and device on every step, their range in this mode only.
 """
 from __future__ import annotations
 
@@ -64,3 +65,19 @@ class StepValidator:
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 else t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
+
+def check_token_ids(token_ids, num_tokens: int, device: torch.device, vocab_size: int, in_range: bool) -> None:
+    """``runner.step(token_ids=...)``: a ``(num_tokens,)`` int64 or int32 tensor on ``device``; with
+    ``in_range`` (validate mode: waits for the device) every id inside the vocabulary."""
+    ok = (isinstance(token_ids, torch.Tensor) and token_ids.device == device
+          and token_ids.dtype in (torch.int64, torch.int32) and tuple(token_ids.shape) == (num_tokens,))
+    if not ok:
+        got = (f"{token_ids.dtype} {tuple(token_ids.shape)} on {token_ids.device}"
+               if isinstance(token_ids, torch.Tensor) else type(token_ids).__name__)
+        raise ValueError(f"token_ids: expected a ({num_tokens},) int64 or int32 tensor on {device} "
+                         f"(the step's {num_tokens} tokens in chunk order), got {got}")
+    if in_range:
+        bad = (token_ids < 0) | (token_ids >= vocab_size)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            raise ValueError(f"token_ids[{i}] = {int(token_ids[i])}: outside the vocabulary [0, {vocab_size})")
