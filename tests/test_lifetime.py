@@ -39,7 +39,8 @@ def stepped_runner(**overrides) -> fg.FullGraphRunner:
     ids = runner.blocks.allocate(2)
     prompt = torch.randint(1, 500, (19,)).tolist()
     runner.step([fg.SeqChunk(prompt, 0, ids)])                   # a prefill, then a decode step
-    runner.step([fg.SeqChunk([prompt[-1]], len(prompt), ids)])
+    out = runner.step([fg.SeqChunk([prompt[-1]], len(prompt), ids)])
+    assert out.mode == runner.config.cudagraph                   # "full": the first step captured every size
     return runner
 
 
@@ -64,7 +65,6 @@ def test_captured_runner_frees_its_memory(sampling):
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     runner = stepped_runner(cudagraph="full", sampling=sampling)
-    runner.capture()
     held = torch.cuda.memory_allocated() - before
     ref = weakref.ref(runner)
     with collector_off():
