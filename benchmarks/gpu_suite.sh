@@ -143,8 +143,8 @@ sweep-skinny)  # our linear's launch configurations against cuBLAS: one row and 
     run sweep_norm 150 python3 benchmarks/sweep_linear.py --norm --rows 1 32 --block-n 4 8 32 --block-k 512 1024 \
         --warps 8 --stages 3 --out "$OUT/sweep_norm.json"
     ;;
-skinny)  # the split-K linear for 2-64 rows (kernels.skinny_linear): its GPU tests, then decode steps with the default
-    # (auto: split-K for 2-32 rows, cuBLAS above), with cuBLAS for every step of 2-64 rows (the layer unfused) and with
+skinny)  # the split-K linear for 2-64 rows (kernels.skinny_linear): its GPU tests, then decode steps with it pinned
+    # (auto: split-K for 2-32 rows, cuBLAS above; the default, timed, picks per size), with cuBLAS for every step of 2-64 rows (the layer unfused) and with
     # the split-K kernel for all of them, back to back (one row takes the one-row kernel in each)
     run skinny_tests 150 python3 -m pytest -q -m gpu tests/test_skinny_linear.py tests/test_linear_kernel.py
     for impl in cublas auto skinny; do
@@ -222,9 +222,9 @@ layernorm-ab)  # Phi-3-Small's LayerNorms applied on load in one-row steps (FULL
     done
     ;;
 b32-h200)  # llama-1b at 32 rows on the H200 ran 1.565 ms overlapped at 48bf847 against 1.439 at 751020d: the
-    # default beside cuBLAS for 2-32 rows (the split-K linear's rule was swept on an H100), back to back; then
+    # split-K linear pinned (auto; the default, timed, picks per size) beside cuBLAS for 2-32 rows, back to back; then
     # each one's kernels with PDL off (times that add up). decode-ab with .base/ at 751020d bisects further
-    for variant in "default auto layer,rope" "cublas cublas layer,rope"; do
+    for variant in "splitk auto layer,rope" "cublas cublas layer,rope"; do
         set -- $variant
         FULLGRAPH_LINEAR=$2 FULLGRAPH_FUSE=$3 run "b32_$1" 90 python3 -m fullgraph.bench decode --preset llama-1b \
             --batch 8 32 --context 1024 --modes full --steps 30 --loop sync overlap --out "$OUT/b32_$1.json"
@@ -241,7 +241,7 @@ sys.argv = ['bench', 'decode', '--preset', 'llama-1b', '--batch', '8', '32', '--
             '--steps', '30', '--loop', 'sync', 'overlap', '--out', '$OUT/b32_splitattn_$linear.json']
 main()"
     done
-    for variant in "default auto layer,rope" "cublas cublas layer,rope"; do
+    for variant in "splitk auto layer,rope" "cublas cublas layer,rope"; do
         set -- $variant
         FULLGRAPH_LINEAR=$2 FULLGRAPH_FUSE=$3 FULLGRAPH_PDL=0 run "b32_profile_$1" 70 python3 benchmarks/profile_step.py \
             --preset llama-1b --batch 32 --context 1024 --out "$OUT/b32_profile_$1.json"

@@ -23,15 +23,16 @@ variable                          effect                                        
                                   the model's kernels, rejoined at the step's end) or
                                   ``inline`` (right after the stage-in, between it and
                                   the model's first kernel)
-``FULLGRAPH_LINEAR=IMPL``         linears of 2-64 rows: ``auto`` (the default: on CUDA      once
-                                  the split-K weight-streaming kernel for 2-32 rows,
-                                  the decoder layer's norm, residual and RoPE + KV
-                                  write fused into it; cuBLAS for 33-64), ``timed``
-                                  (``auto``, each captured size of 2-32 rows also
-                                  captured with cuBLAS, the faster graph over 1,024
-                                  cached tokens a row kept; opt-in), ``skinny``
-                                  (split-K for 2-64), ``cublas`` (2-64, the layer
-                                  unfused) or ``triton`` (our tl.dot kernel)
+``FULLGRAPH_LINEAR=IMPL``         linears of 2-64 rows: ``timed`` (the default: on     once
+                                  CUDA each captured size of 2-32 rows recorded with
+                                  the split-K weight-streaming kernel, the decoder
+                                  layer's norm, residual and RoPE + KV write fused
+                                  into it, and with cuBLAS in the unfused flow; the
+                                  graph faster over 1,024 cached tokens a row kept;
+                                  cuBLAS for 33-64), ``auto`` (split-K for 2-32, not
+                                  timed), ``skinny`` (split-K for 2-64), ``cublas``
+                                  (2-64, the layer unfused) or ``triton`` (our tl.dot
+                                  kernel)
 ``FULLGRAPH_FUSE=A,B``            decoder-layer fusions, default ``layer,rope``             once
                                   (``none``: off). In bf16/fp16 CUDA steps of 1-32
                                   rows (``FULLGRAPH_LINEAR``'s fused ones):
@@ -113,9 +114,9 @@ def compile_workers() -> int | None:
 @functools.cache
 def linear_impl() -> str:
     """``FULLGRAPH_LINEAR``: which kernel serves linears of a few rows (read once)."""
-    value = os.environ.get(LINEAR, "auto")
+    value = os.environ.get(LINEAR, "timed")
     if value not in ("auto", "timed", "triton", "skinny", "cublas"):
-        raise ValueError(f"{LINEAR}={value!r}: expected auto, timed, triton, skinny or cublas")
+        raise ValueError(f"{LINEAR}={value!r}: expected timed (the default), auto, triton, skinny or cublas")
     return value
 
 

@@ -363,3 +363,24 @@ def test_fuse_switch_is_validated(monkeypatch):
         monkeypatch.setenv(fullgraph.env.FUSE, "")
         monkeypatch.delenv(fullgraph.env.FUSE)
         fullgraph.env.fused.cache_clear()
+
+
+def test_linear_switch_defaults_to_timed_and_is_validated(monkeypatch):
+    """Unset, ``FULLGRAPH_LINEAR`` is ``timed`` (each captured size of 2-32 rows recorded in both forms,
+    the faster kept); every named setting is taken as given, anything else refused by name."""
+    try:
+        monkeypatch.delenv(fullgraph.env.LINEAR, raising=False)
+        fullgraph.env.linear_impl.cache_clear()
+        assert fullgraph.env.linear_impl() == "timed"
+        assert linear_choice.tunable(8, torch.bfloat16) and not linear_choice.tunable(1, torch.bfloat16)
+        for value in ("auto", "timed", "skinny", "cublas", "triton"):
+            monkeypatch.setenv(fullgraph.env.LINEAR, value)
+            fullgraph.env.linear_impl.cache_clear()
+            assert fullgraph.env.linear_impl() == value
+        monkeypatch.setenv(fullgraph.env.LINEAR, "fastest")
+        fullgraph.env.linear_impl.cache_clear()
+        with pytest.raises(ValueError, match="FULLGRAPH_LINEAR='fastest'"):
+            fullgraph.env.linear_impl()
+    finally:
+        monkeypatch.delenv(fullgraph.env.LINEAR, raising=False)
+        fullgraph.env.linear_impl.cache_clear()

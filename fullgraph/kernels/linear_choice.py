@@ -14,20 +14,22 @@ take cuBLAS, as every longer step does. ``FULLGRAPH_LINEAR`` (``fullgraph.env``)
 ``tl.dot`` path (about twice cuBLAS's time at 32 rows: benchmarks and tests).
 Under the Triton interpreter (no CUDA) ``auto`` takes ours: the kernel under test.
 
-Measured, not assumed (``FULLGRAPH_LINEAR=timed``, opt-in): where the split-K kernel serves a step
-(2-32 rows), the runner captures that step's graph twice, once as :func:`forced` ``("cublas")`` (the
-layers' unfused flow: the products by cuBLAS, the add + norm and RoPE + the KV write as kernels of
-their own), replays both and keeps the faster (``graphs.GraphSet.capture``; the choice per captured
-size is in the capture report); otherwise ``timed`` is ``auto``. A linear timed
-alone would mislead: timed eagerly, back to back, launch overhead and a cache-resident weight
+Measured, not assumed (``FULLGRAPH_LINEAR=timed``, the default): where the split-K kernel serves a
+step (2-32 rows), the runner captures that step's graph twice, once as :func:`forced` ``("cublas")``
+(the layers' unfused flow: the products by cuBLAS, the add + norm and RoPE + the KV write as kernels
+of their own), replays both and keeps the faster (``graphs.GraphSet.capture``; the choice per
+captured size is in the capture report); ``auto`` keeps the split-K kernel without timing. A linear
+timed alone would mislead: timed eagerly, back to back, launch overhead and a cache-resident weight
 decided it, and chose ours where it is twice as slow; a whole step's replay streams every weight
 from memory as a served step does, and its kernels overlap as theirs do. The replays are timed
 on a step whose sequences hold :data:`CONTEXT` tokens each (read, never written): on the capture
 step, which reads next to nothing of the cache, the split-K form won by 6-22% everywhere (H100,
 2026-12-07), while at context 1024 cuBLAS was 1.6% faster for llama-1b's 32 rows. Timed over
 context, with the cuBLAS candidate in the unfused flow (:func:`fused_rows`), it keeps the form whose
-graph replays faster at every shape measured (llama-1b and SmolLM2, 8 and 32 rows, an H100); it
-stays opt-in because its overlapped steps ran slower than the pinned forms' (BENCHMARKS.md).
+graph replays faster at every shape measured (H100s: llama-1b and SmolLM2, 8 and 32 rows). On the
+H200 it keeps cuBLAS for llama-1b's 32 rows, whose overlapped step it makes 1.506 -> 1.390 ms, and
+the split-K kernel for Phi-3-Small's 16 (BENCHMARKS.md). Its cost is one more capture and 80
+replays per such size at capture time.
 """
 from __future__ import annotations
 
