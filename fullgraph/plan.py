@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from .block_ids import BlockIdCache
-from .chunks import SeqChunk, StepInputs, _who, read_chunks  # noqa: F401 (_who: the runner names chunks with it)
+from .chunks import SeqChunk, StepInputs, read_chunks
 from .config import RunnerConfig
 from .fields import CORE_FIELDS, FieldTable, StepPlan
 from .layout import Target, layout

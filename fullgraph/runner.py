@@ -15,7 +15,7 @@ from .attention import AttentionBackend, AttentionMetadata, BackendLimits
 from .attention.backends import resolve_backends
 from .block_ids import BlockIdCache
 from .buffers import StaticBuffers
-from .chunks import check_prev_rows
+from .chunks import _who, check_prev_rows
 from .compile import CompiledStep
 from .config import RunnerConfig, resolve_mode
 from .fields import SAMPLING_FIELDS, StepPlan, structured_fields
@@ -25,7 +25,7 @@ from .kv_cache import BlockAllocator, KVCacheSpec, allocate_kv_caches
 from .models import from_hf
 from .models.base import check_model
 from .models.layers import refresh_norms_on_load
-from .plan import SeqChunk, Target, _who, capture_plan, plan_with_cache
+from .plan import SeqChunk, Target, capture_plan, plan_with_cache
 from .validate import StepValidator, check_token_ids
 
 logger = logging.getLogger("fullgraph")

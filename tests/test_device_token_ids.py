@@ -8,7 +8,7 @@ import torch
 import fullgraph as fg
 from fullgraph.fetch import HostFetch
 from fullgraph.generate import greedy
-from harness import HAS_CUDA, LIMITS, Mode, assert_logits_close, make_runner, modes_under_test
+from harness import HAS_CUDA, Mode, assert_logits_close, make_runner, modes_under_test
 
 MODES = modes_under_test() + [Mode("none", "sdpa")]
 

@@ -10,10 +10,7 @@ assert on time). ``python -m fullgraph.bench COMMAND --help``:
 """
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import gc
-import json
 import os
 import statistics
 import sys

@@ -39,7 +39,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from ..engine import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind, SamplingParams
+from ..engine import CompletionOutput, RequestOutput, RequestOutputKind, SamplingParams
 from .followers import HEARTBEAT_S, Followers
 from .loop import EngineFailed, Sink, Snapshot, _deliver, _settle
 from .metrics import ServerMetrics
