@@ -513,10 +513,11 @@ pdl-ab)  # programmatic dependent launch off / on (fullgraph.kernels.pdl), batch
         --modes full --steps 30 --out "$OUT/llama1b_sdpa.json"
     ;;
 pdl-batch)  # programmatic dependent launch off / on at 1-64 rows (the kernel profiles of 2026-12-07 had llama-1b's
-    # 32-row replay 2.5% shorter with it off, SmolLM2's 8% longer): one process a setting and preset
+    # 32-row replay 2.5% shorter with it off on an H100, SmolLM2's 8% longer; on the H200 PDL cost the split-K flow
+    # 0.12 ms at 32 rows): one process a setting and preset, the split-K form pinned for 2-32 rows (auto, untimed)
     for preset in llama-1b smollm2-135m llama-8b; do
         for pdl in 0 1; do
-            FULLGRAPH_PDL=$pdl run "pdl_batch_${preset}_$pdl" 120 python3 -m fullgraph.bench decode --preset $preset \
+            FULLGRAPH_LINEAR=auto FULLGRAPH_PDL=$pdl run "pdl_batch_${preset}_$pdl" 120 python3 -m fullgraph.bench decode --preset $preset \
                 --batch 1 8 16 32 64 --context 1024 --modes full --steps 30 --loop overlap --out "$OUT/pdl_batch_${preset}_$pdl.json"
         done
     done
