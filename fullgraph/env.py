@@ -23,7 +23,7 @@ variable                          effect                                        
                                   the model's kernels, rejoined at the step's end) or
                                   ``inline`` (right after the stage-in, between it and
                                   the model's first kernel)
-``FULLGRAPH_LINEAR=IMPL``         linears of 2-64 rows: ``timed`` (the default: on     once
+``FULLGRAPH_LINEAR=IMPL``         linears of 2-64 rows: ``timed`` (the default: on    once
                                   CUDA each captured size of 2-32 rows recorded with
                                   the split-K weight-streaming kernel, the decoder
                                   layer's norm, residual and RoPE + KV write fused
